@@ -1,0 +1,138 @@
+"""LlamaConfig: the blueprint of a LLaMA-2 model, validated once, read everywhere.
+
+Derived sizes follow the notation of `npllama.ops`: Dh = head_dim = dim // n_heads,
+R = n_rep = n_heads // n_kv_heads (query heads per key/value head), F = hidden_dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+
+def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Meta model.py FeedForward: 4*dim -> int(2/3 *) -> * ffn_dim_multiplier -> round up to multiple_of.
+
+    The 2/3 keeps SwiGLU's three matrices at the parameter count of a 4*dim two-matrix MLP.
+    """
+    hidden_dim = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden_dim = int(ffn_dim_multiplier * hidden_dim)
+    return multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
+
+
+def _check_int(name: str, value, minimum: int = 1) -> None:
+    # bool is an int subclass; n_heads=True is a typo, not a size.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an integer")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int = 64                     # D: width of the residual stream
+    n_layers: int = 2                 # L: transformer blocks
+    n_heads: int = 4                  # H: query heads
+    n_kv_heads: int | None = None     # KVH: key/value heads (grouped-query attention); None means n_heads
+    vocab_size: int = 65              # V: 65 is TinyShakespeare's character set
+    hidden_dim: int | None = None     # F: SwiGLU width; None resolves by Meta's rule (meta_hidden_dim)
+    multiple_of: int = 32             # Meta's rule rounds F up to a multiple of this (256 in Llama 2 itself)
+    ffn_dim_multiplier: float | None = None  # Meta's rule scales F by this before rounding (Llama 2 70B: 1.3)
+    norm_eps: float = 1e-5            # RMSNorm epsilon, inside the square root
+    rope_theta: float = 10000.0       # RoPE base: frequency of pair i is rope_theta ** (-2i / Dh)
+    max_seq_len: int = 256            # longest sequence: RoPE table length and KV-cache capacity
+    tie_embeddings: bool = False      # True: output.weight is tok_embeddings.weight (one array, gradients summed)
+
+    def __post_init__(self):
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            _check_int(name, getattr(self, name))
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        _check_int("n_kv_heads", self.n_kv_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                "grouped-query attention needs whole groups of query heads per key/value head")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                             "each head takes dim // n_heads features")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = dim // n_heads = {self.head_dim} is odd; "
+                             "RoPE rotates features in pairs (2i, 2i+1), so it must be even")
+        if self.ffn_dim_multiplier is not None:
+            if not isinstance(self.ffn_dim_multiplier, (int, float)) or isinstance(self.ffn_dim_multiplier, bool) \
+                    or not self.ffn_dim_multiplier > 0:
+                raise ValueError(f"ffn_dim_multiplier={self.ffn_dim_multiplier!r} must be a positive number or None")
+        if self.hidden_dim is None:
+            object.__setattr__(self, "hidden_dim",
+                               meta_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier))
+        _check_int("hidden_dim", self.hidden_dim)
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a finite positive number")
+            object.__setattr__(self, name, float(value))
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
+
+    @property
+    def head_dim(self) -> int:
+        """Dh: features per head."""
+        return self.dim // self.n_heads
+
+    @property
+    def n_rep(self) -> int:
+        """R: query heads sharing one key/value head (llama2.c's kv_mul)."""
+        return self.n_heads // self.n_kv_heads
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's Meta name and shape, in a fixed order (init and file layouts use it)."""
+        D, F, V, Dh = self.dim, self.hidden_dim, self.vocab_size, self.head_dim
+        shapes = {"tok_embeddings.weight": (V, D)}
+        for i in range(self.n_layers):
+            shapes.update({
+                f"layers.{i}.attention_norm.weight": (D,),
+                f"layers.{i}.attention.wq.weight": (self.n_heads * Dh, D),
+                f"layers.{i}.attention.wk.weight": (self.n_kv_heads * Dh, D),
+                f"layers.{i}.attention.wv.weight": (self.n_kv_heads * Dh, D),
+                f"layers.{i}.attention.wo.weight": (D, self.n_heads * Dh),
+                f"layers.{i}.ffn_norm.weight": (D,),
+                f"layers.{i}.feed_forward.w1.weight": (F, D),
+                f"layers.{i}.feed_forward.w2.weight": (D, F),
+                f"layers.{i}.feed_forward.w3.weight": (F, D),
+            })
+        shapes["norm.weight"] = (D,)
+        if not self.tie_embeddings:
+            shapes["output.weight"] = (V, D)
+        return shapes
+
+    def n_params(self) -> int:
+        return sum(math.prod(s) for s in self.param_shapes().values())
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LlamaConfig":
+        """Build from a dict such as to_dict() wrote; unknown keys are an error, not ignored."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a config must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown LlamaConfig fields {unknown}; known fields are {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "LlamaConfig":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config is not valid JSON: {e}") from None
+        return cls.from_dict(d)
