@@ -1,0 +1,31 @@
+"""KVCache: the keys and values of past positions, kept so decoding computes one token a step.
+
+The one intentional piece of model state in npllama, owned by whoever generates. Preallocated
+once for max_seq_len, so a step writes into it rather than growing (and copying) arrays.
+"""
+
+import numpy as np
+
+
+class KVCache:
+    """Keys and values of every layer, in the attention core's layout.
+
+    k, v: (L, B, KVH, max_seq_len, Dh). Positions [0, length) hold valid entries; a forward
+    with start_pos = p writes positions p .. p + T - 1 and attends to 0 .. p + T - 1.
+    """
+
+    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=np.float32):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.k = np.zeros(shape, dtype=dtype)
+        self.v = np.zeros(shape, dtype=dtype)
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k.shape[3]

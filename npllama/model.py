@@ -1,0 +1,359 @@
+"""Llama: the LLaMA-2 architecture (Meta's model.py) as NumPy forward and backward passes.
+
+Only this module knows how the ops compose. A block reads top-down:
+
+    h   = x + wo( attention( rope(wq(rmsnorm(x))), rope(wk(rmsnorm(x))), wv(rmsnorm(x)) ) )
+    out = h + w2( silu(w1(rmsnorm(h))) * w3(rmsnorm(h)) )
+
+and the model is  logits = output( rmsnorm( block_L( ... block_1( tok_embeddings[tokens] ))))).
+block_backward is block_forward read bottom-up, one op per line.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from .config import LlamaConfig
+from .kvcache import KVCache
+from .ops import (
+    IGNORE_INDEX,
+    attention_backward, attention_forward,
+    cross_entropy_backward, cross_entropy_forward,
+    embedding_backward, embedding_forward,
+    linear_backward, linear_forward,
+    rmsnorm_backward, rmsnorm_forward,
+    rope_backward, rope_forward, rope_tables,
+    swiglu_backward, swiglu_forward,
+)
+
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+LAYER_PARAM_NAMES = {
+    "attention_norm": "attention_norm.weight", "wq": "attention.wq.weight", "wk": "attention.wk.weight",
+    "wv": "attention.wv.weight", "wo": "attention.wo.weight", "ffn_norm": "ffn_norm.weight",
+    "w1": "feed_forward.w1.weight", "w2": "feed_forward.w2.weight", "w3": "feed_forward.w3.weight",
+}
+
+
+class LayerWeights(NamedTuple):
+    """One block's parameters (or their gradients), by the short names of Meta's modules."""
+    attention_norm: np.ndarray   # (D,)
+    wq: np.ndarray               # (H*Dh, D)
+    wk: np.ndarray               # (KVH*Dh, D)
+    wv: np.ndarray               # (KVH*Dh, D)
+    wo: np.ndarray               # (D, H*Dh)
+    ffn_norm: np.ndarray         # (D,)
+    w1: np.ndarray               # (F, D) gate
+    w2: np.ndarray               # (D, F) down
+    w3: np.ndarray               # (F, D) up
+
+
+class BlockCache(NamedTuple):
+    attention_norm: tuple
+    wq: tuple
+    wk: tuple
+    wv: tuple
+    rope_q: tuple
+    rope_k: tuple
+    attention: tuple
+    wo: tuple
+    ffn_norm: tuple
+    w1: tuple
+    w3: tuple
+    swiglu: tuple
+    w2: tuple
+
+
+class TokenError(ValueError):
+    """Token or target ids that the model cannot take."""
+
+
+def check_dtype(dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype={dtype} is not supported; use np.float32 (default) or np.float64")
+    return dtype
+
+
+def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Weights ~ Normal(0, 0.02), norms = 1, as GPT-2 / llama2.c initialise.
+
+    The two projections that write into the residual stream (wo, w2) get std 0.02 / sqrt(2 L),
+    so the stream's variance does not grow with depth (GPT-2 paper, section 2.3). llama2.c's
+    model.py scales w3 instead of w2; w2 is the one on the residual path.
+    Values are drawn in float64 in the order of config.param_shapes() and then rounded, so a
+    float32 and a float64 model of the same seed hold the same numbers up to rounding.
+    """
+    rng = np.random.default_rng(seed)
+    residual_std = 0.02 / math.sqrt(2 * config.n_layers)
+    params = {}
+    for name, shape in config.param_shapes().items():
+        if name.endswith("norm.weight"):
+            params[name] = np.ones(shape, dtype=dtype)
+            continue
+        std = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0.02
+        params[name] = (rng.standard_normal(shape) * std).astype(dtype)
+    return params
+
+
+def block_forward(x, w: LayerWeights, cos, sin, *, n_heads, n_kv_heads, eps, kv=None, start_pos=0, mask=None):
+    """One transformer block (Meta model.py TransformerBlock).
+
+    Inputs:  x (B, T, D); w the block's weights; cos, sin (T, Dh/2) RoPE rows of these positions;
+             kv: None (training), or this layer's (k_cache, v_cache), each (B, KVH, max_seq_len, Dh),
+             into which positions start_pos .. start_pos + T - 1 are written before attending;
+             mask: None (causal) or booleans (B, T, S), see attention_forward.
+    Returns: out (B, T, D), cache for block_backward.
+    """
+    B, T, D = x.shape
+    H, KVH = n_heads, n_kv_heads
+    Dh = D // H
+    # attention sub-block: h = x + wo(attention(q, k, v))
+    xn, c_attention_norm = rmsnorm_forward(x, w.attention_norm, eps)
+    q, c_wq = linear_forward(xn, w.wq)
+    k, c_wk = linear_forward(xn, w.wk)
+    v, c_wv = linear_forward(xn, w.wv)
+    q = q.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)            # (B, T, H*Dh) -> (B, H, T, Dh)
+    k = k.reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)          # (B, T, KVH*Dh) -> (B, KVH, T, Dh)
+    v = v.reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)          # (B, T, KVH*Dh) -> (B, KVH, T, Dh)
+    q, c_rope_q = rope_forward(q, cos, sin)
+    k, c_rope_k = rope_forward(k, cos, sin)
+    if kv is not None:
+        # decoding: store this chunk's keys and values, then attend to every position so far
+        k_cache, v_cache = kv
+        end = start_pos + T
+        k_cache[:, :, start_pos:end] = k
+        v_cache[:, :, start_pos:end] = v
+        k, v = k_cache[:, :, :end], v_cache[:, :, :end]          # (B, KVH, S, Dh), S = start_pos + T
+    att, c_attention = attention_forward(q, k, v, mask)
+    att = att.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)      # (B, H, T, Dh) -> (B, T, H*Dh)
+    o, c_wo = linear_forward(att, w.wo)
+    h = x + o
+    # feed-forward sub-block: out = h + w2(silu(w1(hn)) * w3(hn))
+    hn, c_ffn_norm = rmsnorm_forward(h, w.ffn_norm, eps)
+    a, c_w1 = linear_forward(hn, w.w1)
+    b, c_w3 = linear_forward(hn, w.w3)
+    g, c_swiglu = swiglu_forward(a, b)
+    f, c_w2 = linear_forward(g, w.w2)
+    out = h + f
+    cache = BlockCache(c_attention_norm, c_wq, c_wk, c_wv, c_rope_q, c_rope_k, c_attention, c_wo,
+                       c_ffn_norm, c_w1, c_w3, c_swiglu, c_w2)
+    return out, cache
+
+
+def block_backward(dout, cache: BlockCache):
+    """block_forward read bottom-up. Returns dx (B, T, D) and the weights' gradients (LayerWeights)."""
+    B, T, D = dout.shape
+    # undo out = h + f: the residual passes dout to h unchanged, and to the branch
+    dg, dw2 = linear_backward(dout, cache.w2)
+    da, db = swiglu_backward(dg, cache.swiglu)
+    dhn_b, dw3 = linear_backward(db, cache.w3)
+    dhn_a, dw1 = linear_backward(da, cache.w1)
+    dhn = dhn_a + dhn_b                                          # hn fed both w1 and w3
+    dh_branch, dffn_norm = rmsnorm_backward(dhn, cache.ffn_norm)
+    dh = dout + dh_branch                                        # residual: skip + branch
+    # undo h = x + o
+    datt, dwo = linear_backward(dh, cache.wo)
+    H = cache.attention.n_rep * cache.attention.k.shape[1]
+    Dh = D // H
+    KVH = cache.attention.k.shape[1]
+    datt = datt.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)      # (B, T, H*Dh) -> (B, H, T, Dh)
+    dq, dk, dv = attention_backward(datt, cache.attention)
+    dk = rope_backward(dk, cache.rope_k)
+    dq = rope_backward(dq, cache.rope_q)
+    dv = dv.transpose(0, 2, 1, 3).reshape(B, T, KVH * Dh)       # (B, KVH, T, Dh) -> (B, T, KVH*Dh)
+    dk = dk.transpose(0, 2, 1, 3).reshape(B, T, KVH * Dh)
+    dq = dq.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)         # (B, H, T, Dh) -> (B, T, H*Dh)
+    dxn_v, dwv = linear_backward(dv, cache.wv)
+    dxn_k, dwk = linear_backward(dk, cache.wk)
+    dxn_q, dwq = linear_backward(dq, cache.wq)
+    dxn = dxn_q + dxn_k + dxn_v                                  # xn fed wq, wk and wv
+    dx_branch, dattention_norm = rmsnorm_backward(dxn, cache.attention_norm)
+    dx = dh + dx_branch                                          # residual: skip + branch
+    return dx, LayerWeights(dattention_norm, dwq, dwk, dwv, dwo, dffn_norm, dw1, dw2, dw3)
+
+
+class Llama:
+    """A LLaMA-2 model: parameters in a flat dict keyed by Meta's names, and pure passes over them.
+
+    model = Llama(config, seed=0, dtype=np.float32)
+    logits = model.forward(tokens)                          # (B, T) ints -> (B, T, V)
+    loss, grads = model.loss_and_grads(tokens, targets)     # grads keyed and shaped like params
+    """
+
+    def __init__(self, config: LlamaConfig, seed: int = 0, dtype=np.float32):
+        if not isinstance(config, LlamaConfig):
+            raise ValueError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        self.config = config
+        self.dtype = check_dtype(dtype)
+        self.params = init_params(config, seed, self.dtype)
+        self.tokenizer = None   # set by npllama.load when the checkpoint carries one
+        self._rope_cos, self._rope_sin = rope_tables(config.head_dim, config.max_seq_len,
+                                                     config.rope_theta, self.dtype)
+
+    @classmethod
+    def from_params(cls, config: LlamaConfig, params: dict, dtype=None) -> "Llama":
+        """A model holding the given arrays (cast to dtype; default: their own dtype if float32/64).
+
+        Names and shapes are compared before anything is used; every problem is reported at once.
+        """
+        expected = config.param_shapes()
+        missing = [n for n in expected if n not in params]
+        unexpected = [n for n in params if n not in expected]
+        misshapen = [f"{n}: {tuple(np.shape(params[n]))} != expected {expected[n]}"
+                     for n in expected if n in params and tuple(np.shape(params[n])) != expected[n]]
+        if missing or unexpected or misshapen:
+            parts = []
+            if missing:
+                parts.append(f"missing {missing}")
+            if unexpected:
+                parts.append(f"unexpected {unexpected}")
+            if misshapen:
+                parts.append(f"wrong shapes {misshapen}")
+            raise ValueError("parameters do not fit the config: " + "; ".join(parts))
+        if dtype is None:
+            first = np.asarray(params["tok_embeddings.weight"]).dtype
+            dtype = first if first in SUPPORTED_DTYPES else np.float32
+        model = cls.__new__(cls)
+        model.config = config
+        model.dtype = check_dtype(dtype)
+        model.params = {n: np.ascontiguousarray(params[n], dtype=model.dtype) for n in expected}
+        model.tokenizer = None
+        model._rope_cos, model._rope_sin = rope_tables(config.head_dim, config.max_seq_len,
+                                                       config.rope_theta, model.dtype)
+        return model
+
+    # ---- input checks at the boundary -------------------------------------------------------
+
+    def validate_tokens(self, tokens, name="tokens", allow_ignore=False, start_pos=0) -> np.ndarray:
+        """Return tokens as a 2-D int64 array, or raise TokenError naming what is wrong."""
+        arr = np.asarray(tokens)
+        if arr.dtype == bool or arr.dtype.kind not in "iu":
+            raise TokenError(f"{name} must be an integer array, got dtype {arr.dtype}; "
+                             "token ids are integers (use np.asarray(ids, dtype=np.int64))")
+        if arr.ndim == 1:
+            arr = arr[None, :]
+        if arr.ndim != 2:
+            raise TokenError(f"{name} must have shape (B, T), got {arr.shape}")
+        B, T = arr.shape
+        if B == 0 or T == 0:
+            raise TokenError(f"{name} is empty, shape {arr.shape}")
+        if start_pos + T > self.config.max_seq_len:
+            raise TokenError(f"{name}: {T} positions starting at {start_pos} pass max_seq_len="
+                             f"{self.config.max_seq_len}; shorten the sequence or build a config "
+                             "with a larger max_seq_len")
+        V = self.config.vocab_size
+        bad = (arr < 0) | (arr >= V)
+        if allow_ignore:
+            bad &= arr != IGNORE_INDEX
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            allowed = f"[0, {V}) or {IGNORE_INDEX}" if allow_ignore else f"[0, {V})"
+            raise TokenError(f"{name} holds id {int(arr[where])} at index {where}, outside {allowed} "
+                             f"(vocab_size={V})")
+        return arr.astype(np.int64, copy=False)
+
+    # ---- passes ---------------------------------------------------------------------------------
+
+    def _layer(self, i) -> LayerWeights:
+        p = self.params
+        return LayerWeights(*(p[f"layers.{i}.{LAYER_PARAM_NAMES[f]}"] for f in LayerWeights._fields))
+
+    def _output_weight(self):
+        # tied: the output projection reads the embedding matrix itself
+        return self.params["tok_embeddings.weight" if self.config.tie_embeddings else "output.weight"]
+
+    def _forward(self, tokens, kv_cache=None, start_pos=0, mask=None):
+        cfg = self.config
+        T = tokens.shape[1]
+        cos = self._rope_cos[start_pos:start_pos + T]            # (T, Dh/2)
+        sin = self._rope_sin[start_pos:start_pos + T]
+        x, c_embedding = embedding_forward(tokens, self.params["tok_embeddings.weight"])   # (B, T, D)
+        block_caches = []
+        for i in range(cfg.n_layers):
+            kv = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
+            x, c_block = block_forward(x, self._layer(i), cos, sin, n_heads=cfg.n_heads,
+                                       n_kv_heads=cfg.n_kv_heads, eps=cfg.norm_eps,
+                                       kv=kv, start_pos=start_pos, mask=mask)
+            block_caches.append(c_block)
+        xn, c_norm = rmsnorm_forward(x, self.params["norm.weight"], cfg.norm_eps)
+        logits, c_output = linear_forward(xn, self._output_weight())   # (B, T, D) -> (B, T, V)
+        return logits, (c_embedding, block_caches, c_norm, c_output)
+
+    def new_kv_cache(self, batch_size: int = 1) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, self.dtype)
+
+    def forward(self, tokens, kv_cache: KVCache | None = None, start_pos: int = 0, mask=None):
+        """Logits of every position.
+
+        tokens: (B, T) ints (a 1-D sequence is taken as B = 1 and gives (T, V)).
+        kv_cache, start_pos: for decoding, the tokens sit at positions start_pos .. start_pos + T - 1;
+            their keys and values are written into kv_cache and they attend to positions
+            0 .. start_pos + T - 1 of it. Without a cache, start_pos must be 0.
+        mask: optional booleans (B, T, start_pos + T), True where a query may attend a key
+            (left-padded batches); None is causal.
+        Returns: logits (B, T, V) in the model's dtype.
+        """
+        one_dim = np.ndim(tokens) == 1
+        if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)) or start_pos < 0:
+            raise ValueError(f"start_pos={start_pos!r} must be a non-negative integer")
+        tokens = self.validate_tokens(tokens, start_pos=start_pos)
+        if kv_cache is None:
+            if start_pos:
+                raise ValueError(f"start_pos={start_pos} needs a kv_cache holding the earlier positions")
+        else:
+            if kv_cache.batch_size != tokens.shape[0]:
+                raise ValueError(f"kv_cache holds batch {kv_cache.batch_size}, tokens have {tokens.shape[0]} rows")
+            if start_pos > kv_cache.length:
+                raise ValueError(f"start_pos={start_pos} skips positions: the kv_cache holds only "
+                                 f"{kv_cache.length}")
+        logits, _ = self._forward(tokens, kv_cache, int(start_pos), mask)
+        if kv_cache is not None:
+            kv_cache.length = int(start_pos) + tokens.shape[1]
+        return logits[0] if one_dim else logits
+
+    def loss_and_grads(self, tokens, targets):
+        """Mean cross-entropy of the targets (ignoring -100) and its gradient for every parameter.
+
+        tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params).
+        """
+        tokens = self.validate_tokens(tokens)
+        targets = self.validate_tokens(targets, name="targets", allow_ignore=True)
+        if targets.shape != tokens.shape:
+            raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
+        cfg = self.config
+        logits, (c_embedding, block_caches, c_norm, c_output) = self._forward(tokens)
+        loss, c_loss = cross_entropy_forward(logits, targets)
+        # The chain rule starts here: dloss = 1.0, and cross-entropy divides by the number of
+        # targets that are not -100.
+        dlogits = cross_entropy_backward(1.0, c_loss)
+        dxn, doutput = linear_backward(dlogits, c_output)
+        dx, dnorm = rmsnorm_backward(dxn, c_norm)
+        grads = {"norm.weight": dnorm}
+        for i in reversed(range(cfg.n_layers)):
+            dx, dlayer = block_backward(dx, block_caches[i])
+            for field, grad in zip(LayerWeights._fields, dlayer):
+                grads[f"layers.{i}.{LAYER_PARAM_NAMES[field]}"] = grad
+        dembedding = embedding_backward(dx, c_embedding)
+        if cfg.tie_embeddings:
+            dembedding += doutput                                # one matrix, read twice: sum both uses
+        else:
+            grads["output.weight"] = doutput
+        grads["tok_embeddings.weight"] = dembedding
+        return loss, {name: grads[name] for name in self.params}
+
+    def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
+                 seed=None, stop_ids=None, **options):
+        """New token ids after prompt_ids (1-D), sampled with a KV cache; see npllama.generate.generate."""
+        from .generate import generate
+        return generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids, **options)
+
+    def n_params(self) -> int:
+        return sum(p.size for p in self.params.values())
+
+    def __repr__(self):
+        return f"Llama({self.config}, dtype={self.dtype.name}, params={self.n_params():,})"

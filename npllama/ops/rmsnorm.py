@@ -1,0 +1,50 @@
+"""RMSNorm (Zhang & Sennrich 2019), as in Meta's model.py:
+
+    y = w * n,   n = x * r,   r = (mean(x**2) + eps) ** -0.5
+
+with the mean over the last axis only (normalising over the sequence axis would let a position
+see the future). Computed in at least float32 (Meta: `self._norm(x.float()).type_as(x)`).
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class RMSNormCache(NamedTuple):
+    x: np.ndarray            # (..., D) input, in the compute dtype
+    weight: np.ndarray       # (D,)
+    rstd: np.ndarray         # (..., 1) r, the reciprocal root-mean-square
+
+
+def _compute_dtype(dtype):
+    return np.result_type(dtype, np.float32)
+
+
+def rmsnorm_forward(x, weight, eps):
+    """y = w * x * r, r = (mean(x**2, last axis) + eps) ** -0.5.
+
+    Inputs:  x (..., D); weight (D,); eps > 0
+    Returns: y (..., D) in x's dtype, cache (x, w, r). n = x * r is recomputed in backward
+             rather than cached: one multiply saves a whole (..., D) array of memory.
+    """
+    xc = x.astype(_compute_dtype(x.dtype), copy=False)
+    rstd = 1.0 / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + eps)   # (..., D) -> (..., 1)
+    y = (xc * rstd).astype(x.dtype, copy=False) * weight
+    return y, RMSNormCache(xc, weight, rstd)
+
+
+def rmsnorm_backward(dy, cache):
+    """Gradient of y = w * n, n = x * r.
+
+    With g = dy * w:   dw = sum over leading axes of (dy * n)
+                       dx = r * (g - n * mean(g * n))          (mean over the last axis)
+    The second term is dr's contribution: dr/dx = -r**3 * x / D, i.e. -r * n / D.
+    Shapes: dy (..., D) -> dx (..., D), dweight (D,)
+    """
+    x, weight, rstd = cache
+    n = x * rstd
+    dweight = (dy * n).reshape(-1, n.shape[-1]).sum(axis=0)
+    g = dy * weight
+    dx = rstd * (g - n * np.mean(g * n, axis=-1, keepdims=True))
+    return dx.astype(dy.dtype, copy=False), dweight.astype(weight.dtype, copy=False)
