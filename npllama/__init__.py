@@ -5,6 +5,7 @@ The public surface (see CONTRACT.md): LlamaConfig, Llama, load, save, AdamW, cli
 
 from .config import LlamaConfig
 from .model import Llama
+from .checkpoint import load, save
 
 __all__ = ["LlamaConfig", "Llama"]
 __version__ = "0.1.0"
