@@ -1,0 +1,171 @@
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+
+One call handles a whole batch, (B, V) logits -> (B,) ids, with no Python loop over the
+vocabulary. The steps, in the order Hugging Face's logits processors apply them:
+
+  1. repetition penalty (CTRL, Keskar et al. 2019; HF RepetitionPenaltyLogitsProcessor): for each
+     token already seen in the row, z = z / r if z > 0 else z * r. r > 1 discourages repeats.
+  2. temperature 0: return argmax z (greedy; the filters below never drop the argmax, so they
+     cannot change it). Otherwise z = z / temperature and p = softmax(z).
+  3. top-k: keep tokens whose z >= the k-th largest z (ties at the k-th value all stay, as in HF).
+  4. top-p (nucleus, Holtzman et al. 2019): over the top-k survivors, renormalised, keep the smallest
+     set of most probable tokens whose mass reaches top_p: token i stays iff the mass of tokens
+     strictly more probable than i is < top_p. The most probable token always stays; tokens tied
+     in probability are kept or dropped together, so the set does not depend on sort order.
+  5. min-p (Nguyen et al. 2024): keep tokens with p_i >= min_p * max_j p_j. The ratio
+     p_i / p_max = exp(z_i - z_max) does not depend on renormalisation, so it is computed on z.
+  6. draw one token from p restricted to the kept set (renormalised), by inverse CDF with one
+     uniform number per row.
+
+Randomness comes only from the np.random.Generator passed in (or one per row), so a seed makes
+every sample reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+def _check_number(name, value, *, low, high=math.inf, low_open=False, high_open=False, hint=""):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number{hint}")
+    too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
+    if too_low or too_high:
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        raise ValueError(f"{name}={value!r} must lie in {lo}{low}, {high}{hi}{hint}")
+    return float(value)
+
+
+def check_sampling_args(temperature=0.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None):
+    """Validate sampling hyper-parameters (ValueError naming the bad one); None means "off"."""
+    _check_number("temperature", temperature, low=0.0, hint="; 0 means greedy (argmax)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r} must be a positive integer, or None to keep every token")
+    if top_p is not None:
+        _check_number("top_p", top_p, low=0.0, high=1.0, low_open=True, hint="; None (or 1.0) keeps every token")
+    if min_p is not None:
+        _check_number("min_p", min_p, low=0.0, high=1.0, hint="; None (or 0) keeps every token")
+    if repetition_penalty is not None:
+        _check_number("repetition_penalty", repetition_penalty, low=0.0, low_open=True,
+                      hint="; 1.0 (or None) is no penalty, > 1 discourages repeats")
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """CTRL's penalty on already-seen tokens: z / r where z > 0, z * r where z <= 0.
+
+    logits (B, V) float, seen (B, V) bool -> new (B, V) array (the input is not modified).
+    """
+    scaled = np.where(logits > 0, logits / penalty, logits * penalty)
+    return np.where(seen, scaled, logits)
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    """Row softmax, max-subtracted; -inf entries get probability 0. (B, V) -> (B, V)."""
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def top_k_mask(z: np.ndarray, k: int) -> np.ndarray:
+    """Keep z_i >= the k-th largest z of the row (ties at that value kept). (B, V) -> bool (B, V)."""
+    V = z.shape[-1]
+    if k >= V:
+        return np.ones(z.shape, dtype=bool)
+    kth = -np.partition(-z, k - 1, axis=-1)[:, k - 1:k]  # (B, 1): the k-th largest value
+    return z >= kth
+
+
+def top_p_mask(probs: np.ndarray, p: float) -> np.ndarray:
+    """Nucleus: keep i iff sum of probs strictly greater than probs_i is < p. (B, V) -> bool (B, V).
+
+    Computed from one descending sort: the exclusive cumulative sum at the first member of each
+    group of equal probabilities is the mass strictly above that group.
+    """
+    B, V = probs.shape
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    sorted_p = np.take_along_axis(probs, order, axis=-1)
+    mass_before = np.cumsum(sorted_p, axis=-1) - sorted_p  # exclusive prefix sums, (B, V)
+    mass_before[:, 0] = 0.0
+    # Index of the first member of each tie group, carried forward along the sorted row.
+    starts = np.ones((B, V), dtype=bool)
+    starts[:, 1:] = sorted_p[:, 1:] != sorted_p[:, :-1]
+    first = np.maximum.accumulate(np.where(starts, np.arange(V), 0), axis=-1)
+    keep_sorted = np.take_along_axis(mass_before, first, axis=-1) < p
+    keep = np.empty_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    return keep
+
+
+def min_p_mask(z: np.ndarray, min_p: float) -> np.ndarray:
+    """Keep p_i >= min_p * p_max, i.e. exp(z_i - z_max) >= min_p. (B, V) -> bool (B, V)."""
+    return np.exp(z - z.max(axis=-1, keepdims=True)) >= min_p
+
+
+def filtered_probs(logits: np.ndarray, temperature: float, top_k=None, top_p=None, min_p=None) -> np.ndarray:
+    """Steps 2-5 for temperature > 0: the renormalised distribution the sample is drawn from.
+
+    logits (B, V) -> probs (B, V) float64, zero outside the kept set, rows summing to 1.
+    """
+    z = np.asarray(logits, dtype=np.float64)
+    # Shift before dividing: every step is shift-invariant, and z_max = 0 keeps a tiny
+    # temperature from turning logits into inf - inf = NaN.
+    z = (z - z.max(axis=-1, keepdims=True)) / temperature
+    keep = np.ones(z.shape, dtype=bool)
+    if top_k is not None:
+        keep &= top_k_mask(z, int(top_k))
+    if top_p is not None and top_p < 1.0:
+        keep &= top_p_mask(softmax(np.where(keep, z, -np.inf)), top_p)
+    if min_p is not None and min_p > 0.0:
+        keep &= min_p_mask(z, min_p)
+    return softmax(np.where(keep, z, -np.inf))
+
+
+def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, min_p: float | None = None,
+                repetition_penalty: float | None = None, seen: np.ndarray | None = None,
+                rng: np.random.Generator | Sequence[np.random.Generator] | None = None) -> np.ndarray:
+    """The next token of each row. logits (B, V) -> ids (B,) int64.
+
+    temperature 0 is greedy (argmax, first index on ties; no randomness used). Otherwise the
+    token is drawn from filtered_probs(...) with one uniform number per row, taken from `rng`
+    (a Generator shared by the rows, in row order) or from rng[b] for row b when a sequence of
+    B Generators is given (so a row's samples do not depend on the other rows).
+    seen: (B, V) bool, the tokens the repetition penalty applies to (prompt and output so far).
+    """
+    logits = np.asarray(logits)
+    if logits.ndim != 2 or logits.shape[1] < 1 or not np.issubdtype(logits.dtype, np.floating):
+        raise ValueError(f"logits must be a float array of shape (B, V), got {logits.dtype} {logits.shape}")
+    if np.isnan(logits).any() or np.isposinf(logits).any():
+        raise ValueError("logits contain NaN or +inf; the model's forward diverged (check the weights and dtype)")
+    if not np.isfinite(logits).any(axis=-1).all():
+        raise ValueError("a row of logits is all -inf: there is no token to choose")
+    check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
+    B, V = logits.shape
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        if seen is None:
+            raise ValueError("repetition_penalty needs `seen`, a (B, V) bool mask of the tokens seen so far")
+        seen = np.asarray(seen)
+        if seen.shape != (B, V) or seen.dtype != bool:
+            raise ValueError(f"seen must be a bool array of shape {(B, V)}, got {seen.dtype} {seen.shape}")
+        logits = apply_repetition_penalty(logits, seen, float(repetition_penalty))
+    if temperature == 0:
+        return np.argmax(logits, axis=-1).astype(np.int64)
+    if rng is None:
+        raise ValueError("sampling with temperature > 0 needs rng, an np.random.Generator "
+                         "(np.random.default_rng(seed)), or use temperature=0 for greedy decoding")
+    if isinstance(rng, np.random.Generator):
+        u = rng.random(B)
+    else:
+        if len(rng) != B or not all(isinstance(g, np.random.Generator) for g in rng):
+            raise ValueError(f"rng must be an np.random.Generator or a sequence of {B} of them (one per row)")
+        u = np.array([g.random() for g in rng])
+    probs = filtered_probs(logits, temperature, top_k, top_p, min_p)
+    cdf = np.cumsum(probs, axis=-1)
+    # First index whose cdf exceeds u * total: never a zero-probability token, since its cdf
+    # equals its predecessor's; and one exists because u < 1.
+    return np.argmax(cdf > (u * cdf[:, -1])[:, None], axis=-1).astype(np.int64)
