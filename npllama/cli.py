@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import cli_gradcheck
+from . import cli_gradcheck, cli_train
 
-SUBCOMMANDS = [cli_gradcheck]
+SUBCOMMANDS = [cli_gradcheck, cli_train]
 
 
 def build_parser() -> argparse.ArgumentParser:

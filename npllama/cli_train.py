@@ -1,0 +1,107 @@
+"""`npllama train`: the flags are TrainConfig's fields, generated from the dataclass.
+
+    npllama train                                   # the shakespeare-char preset, 2000 steps
+    npllama train --time-budget 5m --out-dir runs/five-minutes
+    npllama train --resume --out-dir runs/five-minutes --max-steps 3000
+    npllama train --preset shakespeare-bpe --vocab-size 1024
+
+A flag given on the command line overrides the preset. With --resume every setting comes
+from the checkpoint in --out-dir, and only the flags given now override it (those that
+define the model and the data cannot change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+
+from .train import PRESETS, STRUCTURAL_FIELDS, TrainConfig, parse_duration, preset, train
+
+
+def _positive_or_zero_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} must be finite")
+    return value
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parse_type(f: dataclasses.Field):
+    if f.name == "time_budget":
+        return _duration
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind == "int":
+        return _positive_or_zero_int
+    if kind == "float":
+        return _finite_float
+    return str
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    default = preset("shakespeare-char")
+    p = subparsers.add_parser(
+        "train", help="train a LLaMA on TinyShakespeare (or any text) on the CPU",
+        description="Train a LLaMA-2 model on a CPU with AdamW. Defaults are the chosen --preset's; "
+                    "flags given here override it. Writes OUT_DIR/ckpt.safetensors (model, optimizer, "
+                    "tokenizer: `npllama generate --model` reads it), metrics.jsonl and loss.png.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="shakespeare-char",
+                   help="starting settings: " + "; ".join(
+                       f"{name}: {fn.__doc__.strip().splitlines()[0]}" for name, fn in PRESETS.items()))
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"] + f" [{default.__dict__[f.name]!r} in shakespeare-char]"
+        help_text = help_text.replace("%", "%%")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            p.add_argument(flag, type=_parse_type(f), default=argparse.SUPPRESS, help=help_text,
+                           choices=f.metadata.get("choices"), metavar=None if f.metadata.get("choices") else
+                           f.name.upper())
+    p.set_defaults(func=run)
+    return p
+
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """The preset (or, with --resume, the checkpoint's config) updated by the flags given."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    base = preset(args.preset)
+    if not given.get("resume"):
+        return base.replace(**given)
+    from .train import CHECKPOINT_NAME
+    from .train_checkpoint import load_train_state
+    ckpt = Path(given.get("out_dir", base.out_dir)) / CHECKPOINT_NAME
+    saved = TrainConfig.from_dict(load_train_state(ckpt)["train_config"])
+    changed = [f"--{n.replace('_', '-')}" for n in STRUCTURAL_FIELDS if n in given and given[n] != getattr(saved, n)]
+    if changed:
+        raise ValueError(f"--resume cannot change {', '.join(changed)}: they define the model and the data of "
+                         f"{ckpt}; drop them, or train a new model in another --out-dir")
+    return saved.replace(**given)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    result = train(cfg, preset_name=None if cfg.resume else args.preset)
+    return 130 if result.stopped == "interrupted" else 0

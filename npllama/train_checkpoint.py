@@ -1,0 +1,152 @@
+"""Training checkpoints: everything `npllama train --resume` needs, in ONE .safetensors file.
+
+Layout (written atomically by checkpoint.write_safetensors_atomic: temp file beside the
+target, fsync, os.replace -- a kill mid-write leaves the previous checkpoint as it was):
+
+  tensors   <Meta name>                       the model's parameters, in the model's dtype
+            optimizer.exp_avg.<Meta name>     AdamW first moment m
+            optimizer.exp_avg_sq.<Meta name>  AdamW second moment v
+  metadata  "format": "pt"
+            "npllama_config":      LlamaConfig.to_json()
+            "npllama_tokenizer":   tokenizer.to_json()   (so generation needs nothing else)
+            "npllama_train_state": JSON {
+                "version": 1,
+                "step": optimizer steps completed,
+                "rng": the training-batch np.random.Generator's bit_generator.state,
+                "optimizer": {"step", "lr", "beta1", "beta2", "eps", "weight_decay"},
+                "train_config": the TrainConfig as a dict,
+                plus run bookkeeping (elapsed seconds, tokens seen, last val loss, text sha256)}
+
+Because the model part is a plain "meta" checkpoint, `npllama.load(path)` and
+`npllama generate --model path` read it directly (they skip the optimizer.* tensors only
+because "npllama_train_state" is present).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from .checkpoint import read_safetensors, read_safetensors_header, write_safetensors_atomic
+from .config import LlamaConfig
+from .model import Llama
+from .optim import AdamW
+from .tokenizers import tokenizer_from_json
+
+FORMAT_VERSION = 1
+STATE_KEY = "npllama_train_state"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_HYPERS = ("step", "lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+class TrainCheckpoint(NamedTuple):
+    """What load_train_checkpoint returns."""
+    model: Llama                 # parameters exactly as saved (same dtype), tokenizer attached
+    tokenizer: object
+    optimizer_state: dict        # AdamW.state_dict() form: load it with opt.load_state_dict
+    state: dict                  # the "npllama_train_state" JSON (step, rng, train_config, ...)
+
+
+def save_train_checkpoint(path, model: Llama, tokenizer, optimizer: AdamW, state: dict) -> Path:
+    """Write model + optimizer + state to path (atomically). state must be JSON-serialisable.
+
+    The optimizer's step count and hyper-parameters are stored under state["optimizer"];
+    its moments as tensors. Returns the path written.
+    """
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"training checkpoint {path} must end in .safetensors")
+    if optimizer.params is not model.params:
+        raise ValueError("the optimizer does not update this model's parameters; "
+                         "build it as AdamW(model.params, ...)")
+    sd = optimizer.state_dict()
+    tensors = dict(model.params)
+    for kind in _MOMENTS:
+        for name in model.params:
+            tensors[f"optimizer.{kind}.{name}"] = sd[f"{kind}.{name}"]
+    full_state = {"version": FORMAT_VERSION, **state, "optimizer": {k: sd[k] for k in _HYPERS}}
+    metadata = {"npllama_config": model.config.to_json(),
+                STATE_KEY: json.dumps(full_state, sort_keys=True)}
+    if tokenizer is not None:
+        metadata["npllama_tokenizer"] = tokenizer.to_json()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_safetensors_atomic(path, tensors, metadata)
+    return path
+
+
+def _parse_state(path: Path, metadata: dict) -> dict:
+    if STATE_KEY not in metadata:
+        raise ValueError(f"{path} holds model weights but no training state ({STATE_KEY!r}); "
+                         "it cannot be resumed (it can still be loaded with npllama.load)")
+    try:
+        state = json.loads(metadata[STATE_KEY])
+    except ValueError as e:
+        raise ValueError(f"{path}: the training state is not valid JSON ({e}); the file is damaged") from None
+    if not isinstance(state, dict) or state.get("version") != FORMAT_VERSION:
+        version = state.get("version") if isinstance(state, dict) else None
+        raise ValueError(f"{path}: training state version {version!r} is not {FORMAT_VERSION}; "
+                         "this npllama cannot resume it")
+    missing = [k for k in ("step", "rng", "optimizer", "train_config") if k not in state]
+    if missing:
+        raise ValueError(f"{path}: the training state lacks {missing}")
+    return state
+
+
+def _require_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"no training checkpoint at {path}; start without --resume, "
+                                "or pass the --out-dir of an earlier run")
+
+
+def load_train_state(path) -> dict:
+    """Only the "npllama_train_state" JSON of a training checkpoint (reads the header, not the tensors)."""
+    path = Path(path)
+    _require_file(path)
+    return _parse_state(path, read_safetensors_header(path)[1])
+
+
+def load_train_checkpoint(path) -> TrainCheckpoint:
+    """Read a file save_train_checkpoint wrote; every missing piece is a ValueError that names it.
+
+    The model keeps the saved dtype (no cast), so a resumed run continues bit for bit.
+    """
+    path = Path(path)
+    _require_file(path)
+    tensors, metadata = read_safetensors(path)
+    state = _parse_state(path, metadata)
+    try:
+        config = LlamaConfig.from_json(metadata["npllama_config"])
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{path}: no usable model config in the metadata ({e}); the file is not an "
+                         "npllama training checkpoint") from None
+    tokenizer = tokenizer_from_json(metadata["npllama_tokenizer"]) if "npllama_tokenizer" in metadata else None
+    params = {n: t for n, t in tensors.items() if not n.startswith("optimizer.")}
+    model = Llama.from_params(config, params)      # checks names and shapes, keeps the dtype
+    model.tokenizer = tokenizer
+    optimizer_state = dict(state["optimizer"])
+    for kind in _MOMENTS:
+        prefix = f"optimizer.{kind}."
+        for name, t in tensors.items():
+            if name.startswith(prefix):
+                optimizer_state[f"{kind}.{name[len(prefix):]}"] = t
+    return TrainCheckpoint(model, tokenizer, optimizer_state, state)
+
+
+def rng_state(rng: np.random.Generator) -> dict:
+    """The generator's full state as JSON-ready data (PCG64: two big ints and a flag)."""
+    return rng.bit_generator.state
+
+
+def rng_from_state(state: dict) -> np.random.Generator:
+    """A Generator that continues exactly where the one rng_state(...) was taken from."""
+    name = state.get("bit_generator") if isinstance(state, dict) else None
+    bit_generator_cls = getattr(np.random, str(name), None)
+    if bit_generator_cls is None or not isinstance(bit_generator_cls, type) \
+            or not issubclass(bit_generator_cls, np.random.BitGenerator):
+        raise ValueError(f"unknown random bit generator {name!r} in the training state")
+    bit_generator = bit_generator_cls()
+    bit_generator.state = state
+    return np.random.Generator(bit_generator)
