@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 from npllama.tokenizers import (CharTokenizer, SentencePieceTokenizer, tokenizer_from_json,
                                 train_sentencepiece)
-from conftest import data_file
+from .conftest import data_file
 
 LLAMA2_PINNED = {
     "Hello world": [15043, 3186],
