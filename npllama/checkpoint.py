@@ -273,13 +273,13 @@ def write_safetensors_atomic(path, tensors: dict, metadata: dict | None = None) 
         if not isinstance(name, str) or name == "__metadata__":
             raise ValueError(f"invalid tensor name {name!r}")
         if isinstance(t, Bfloat16):
-            arr, st = np.ascontiguousarray(t.bits, dtype="<u2"), "BF16"
+            arr, st = np.asarray(t.bits, dtype="<u2", order="C"), "BF16"
         else:
             t = np.asarray(t)
             st = _NP_TO_ST.get(t.dtype.newbyteorder("="))
             if st is None:
                 raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors")
-            arr = np.ascontiguousarray(t, dtype=_ST_DTYPES[st])
+            arr = np.asarray(t, dtype=_ST_DTYPES[st], order="C")  # (ascontiguousarray would make 0-d 1-d)
         header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
         arrays.append(arr)
         offset += arr.nbytes
