@@ -88,6 +88,7 @@ def live_reference(path: Path, model, prompts, dtype: str) -> list[np.ndarray]:
     import torch
     from transformers import LlamaForCausalLM
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # export_torch.py sits beside this file
     from export_torch import make_float64_exact, torch_logits
 
     with tempfile.TemporaryDirectory() as tmp:
