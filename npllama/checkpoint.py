@@ -730,7 +730,8 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
 
     format="hf":   path is a folder (created if needed) holding model.safetensors (HF names,
                    q/k rows permuted to rotate-half order), config.json for LlamaForCausalLM,
-                   and tokenizer.model when model.tokenizer is SentencePiece. It loads with
+                   and tokenizer.model when model.tokenizer is SentencePiece (any other tokenizer
+                   goes to the metadata key "npllama_tokenizer"). It loads with
                    transformers.LlamaForCausalLM.from_pretrained(path).
     format="meta": path is one .safetensors file with Meta names and metadata
                    {"format": "pt", "npllama_config": config JSON, "npllama_tokenizer": tokenizer
@@ -761,11 +762,12 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
                                   "save into a new folder so the old shards cannot shadow the new weights")
         path.mkdir(parents=True, exist_ok=True)
         hf = meta_to_hf({n: params[n] for n in cfg.param_shapes()}, cfg)
+        proto = getattr(tokenizer, "model_proto", None)
+        if isinstance(proto, (bytes, bytearray)):  # SentencePiece: the file transformers' LlamaTokenizer reads
+            _write_bytes_atomic(path / "tokenizer.model", bytes(proto))
+            meta.pop("npllama_tokenizer")
         write_safetensors_atomic(path / "model.safetensors", {n: _cast_for_save(t, dname) for n, t in hf.items()},
                                  meta)
-        proto = getattr(tokenizer, "model_proto", None)
-        if isinstance(proto, (bytes, bytearray)):
-            _write_bytes_atomic(path / "tokenizer.model", bytes(proto))
         hf_cfg = llama_to_hf_config(cfg, torch_dtype=dname,
                                     bos_id=getattr(tokenizer, "bos_id", None),
                                     eos_id=getattr(tokenizer, "eos_id", None))

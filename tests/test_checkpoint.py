@@ -155,6 +155,22 @@ def test_meta_round_trip_is_exact_with_tokenizer(tiny_config, tmp_path):
     np.testing.assert_array_equal(back.forward(TOKENS % 11), model.forward(TOKENS % 11))
 
 
+def test_sentencepiece_tokenizer_travels_with_both_formats(tmp_path):
+    from npllama.tokenizers import SentencePieceTokenizer
+    tok = SentencePieceTokenizer.from_file(data_file("llama2-tokenizer.model"))
+    model = random_model(gqa_config())
+    model.tokenizer = tok
+    folder = npllama.save(model, tmp_path / "hf", format="hf")
+    assert (folder / "tokenizer.model").read_bytes() == data_file("llama2-tokenizer.model").read_bytes()
+    hf = json.loads((folder / "config.json").read_text())
+    assert (hf["bos_token_id"], hf["eos_token_id"]) == (tok.bos_id, tok.eos_id) == (1, 2)
+    assert ck.read_safetensors_header(folder / "model.safetensors")[1] == {"format": "pt"}
+    assert npllama.load(folder).tokenizer == tok
+    assert npllama.load(npllama.save(model, tmp_path / "m.safetensors", format="meta")).tokenizer == tok
+    (folder / "tokenizer.model").unlink()
+    assert npllama.load(folder).tokenizer is None
+
+
 def test_hf_round_trip_without_torch(tiny_config, tmp_path):
     model = random_model(tiny_config)
     folder = npllama.save(model, tmp_path / "hf", format="hf")
