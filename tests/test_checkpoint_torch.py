@@ -109,6 +109,7 @@ def _greedy_npllama(model, n):
     return ids[1:]
 
 
+@pytest.mark.slow  # ~5 s: 40 greedy steps three ways
 def test_stories260k_greedy_continuation_matches_pytorch(tmp_path):
     model = npllama.load(data_file("stories260K.bin"))
     n = 40
