@@ -7,7 +7,7 @@ import urllib.error
 import numpy as np
 import pytest
 
-from conftest import data_file
+from .conftest import data_file
 from npllama import data
 
 FAKE = b"First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50
