@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from npllama.config import LlamaConfig
+from npllama.model import Llama
 from npllama.optim import AdamW, clip_grad_norm, lr_at
 
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=29, multiple_of=16, max_seq_len=16)
@@ -17,33 +18,16 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), np.linalg.norm(b), 1e-300))
 
 
-def _llama():
-    try:
-        from npllama.model import Llama
-    except ImportError:
-        return None
-    return Llama
-
-
 def make_problem(dtype=np.float64, seed=0):
-    """(params, grad_fn): the real model's params and gradients once npllama.model exists,
-    else random arrays of the same names and shapes with random gradients."""
+    """(params, grad_fn): a real Llama's parameters and its gradients on fresh random batches."""
     rng = np.random.default_rng(seed)
-    Llama = _llama()
-    if Llama is not None:
-        model = Llama(CFG, seed=seed, dtype=dtype)
-
-        def grad_fn(step):
-            x = rng.integers(0, CFG.vocab_size, size=(2, 12))
-            y = rng.integers(0, CFG.vocab_size, size=(2, 12))
-            return model.loss_and_grads(x, y)[1]
-        return model.params, grad_fn
-    params = {n: (0.05 * rng.standard_normal(s)).astype(dtype) for n, s in CFG.param_shapes().items()}
+    model = Llama(CFG, seed=seed, dtype=dtype)
 
     def grad_fn(step):
-        return {n: (rng.standard_normal(p.shape) * (3.0 if step % 3 == 0 else 0.01)).astype(dtype)
-                for n, p in params.items()}
-    return params, grad_fn
+        x = rng.integers(0, CFG.vocab_size, size=(2, 12))
+        y = rng.integers(0, CFG.vocab_size, size=(2, 12))
+        return model.loss_and_grads(x, y)[1]
+    return model.params, grad_fn
 
 
 def test_adamw_and_clipping_match_torch_over_12_steps():
