@@ -52,16 +52,13 @@ class LayerWeights(NamedTuple):
 
 class BlockCache(NamedTuple):
     attention_norm: tuple
-    wq: tuple
-    wk: tuple
-    wv: tuple
+    wqkv: tuple
     rope_q: tuple
     rope_k: tuple
     attention: tuple
     wo: tuple
     ffn_norm: tuple
-    w1: tuple
-    w3: tuple
+    w13: tuple
     swiglu: tuple
     w2: tuple
 
@@ -106,15 +103,18 @@ def block_forward(x, w: LayerWeights, cos, sin, *, n_heads, n_kv_heads, eps, kv=
              into which positions start_pos .. start_pos + T - 1 are written before attending;
              mask: None (causal) or booleans (B, T, S), see attention_forward.
     Returns: out (B, T, D), cache for block_backward.
+
+    Projections that read the same input run as one GEMM on their stacked weights: [wq; wk; wv]
+    and [w1; w3]. Stacking copies the weights (small) and saves passes over the activations
+    (large); in backward the one GEMM dx = dy @ W also sums the branches' gradients for free.
     """
     B, T, D = x.shape
     H, KVH = n_heads, n_kv_heads
     Dh = D // H
-    # attention sub-block: h = x + wo(attention(q, k, v))
+    # attention sub-block: h = x + wo(attention(rope(q), rope(k), v))
     xn, c_attention_norm = rmsnorm_forward(x, w.attention_norm, eps)
-    q, c_wq = linear_forward(xn, w.wq)
-    k, c_wk = linear_forward(xn, w.wk)
-    v, c_wv = linear_forward(xn, w.wv)
+    qkv, c_wqkv = linear_forward(xn, np.concatenate((w.wq, w.wk, w.wv)))    # (B, T, (H + 2 KVH) Dh)
+    q, k, v = np.split(qkv, [H * Dh, (H + KVH) * Dh], axis=-1)
     q = q.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)            # (B, T, H*Dh) -> (B, H, T, Dh)
     k = k.reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)          # (B, T, KVH*Dh) -> (B, KVH, T, Dh)
     v = v.reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)          # (B, T, KVH*Dh) -> (B, KVH, T, Dh)
@@ -133,43 +133,42 @@ def block_forward(x, w: LayerWeights, cos, sin, *, n_heads, n_kv_heads, eps, kv=
     h = x + o
     # feed-forward sub-block: out = h + w2(silu(w1(hn)) * w3(hn))
     hn, c_ffn_norm = rmsnorm_forward(h, w.ffn_norm, eps)
-    a, c_w1 = linear_forward(hn, w.w1)
-    b, c_w3 = linear_forward(hn, w.w3)
+    ab, c_w13 = linear_forward(hn, np.concatenate((w.w1, w.w3)))            # (B, T, 2F)
+    a, b = np.split(ab, 2, axis=-1)
     g, c_swiglu = swiglu_forward(a, b)
     f, c_w2 = linear_forward(g, w.w2)
     out = h + f
-    cache = BlockCache(c_attention_norm, c_wq, c_wk, c_wv, c_rope_q, c_rope_k, c_attention, c_wo,
-                       c_ffn_norm, c_w1, c_w3, c_swiglu, c_w2)
+    cache = BlockCache(c_attention_norm, c_wqkv, c_rope_q, c_rope_k, c_attention, c_wo,
+                       c_ffn_norm, c_w13, c_swiglu, c_w2)
     return out, cache
 
 
 def block_backward(dout, cache: BlockCache):
     """block_forward read bottom-up. Returns dx (B, T, D) and the weights' gradients (LayerWeights)."""
     B, T, D = dout.shape
+    KVH, R = cache.attention.k.shape[1], cache.attention.n_rep
+    H = KVH * R
+    Dh = D // H
     # undo out = h + f: the residual passes dout to h unchanged, and to the branch
     dg, dw2 = linear_backward(dout, cache.w2)
     da, db = swiglu_backward(dg, cache.swiglu)
-    dhn_b, dw3 = linear_backward(db, cache.w3)
-    dhn_a, dw1 = linear_backward(da, cache.w1)
-    dhn = dhn_a + dhn_b                                          # hn fed both w1 and w3
+    dhn, dw13 = linear_backward(np.concatenate((da, db), axis=-1), cache.w13)  # sums the w1 and w3 branches
+    dw1, dw3 = np.split(dw13, 2)
     dh_branch, dffn_norm = rmsnorm_backward(dhn, cache.ffn_norm)
     dh = dout + dh_branch                                        # residual: skip + branch
     # undo h = x + o
     datt, dwo = linear_backward(dh, cache.wo)
-    H = cache.attention.n_rep * cache.attention.k.shape[1]
-    Dh = D // H
-    KVH = cache.attention.k.shape[1]
     datt = datt.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)      # (B, T, H*Dh) -> (B, H, T, Dh)
     dq, dk, dv = attention_backward(datt, cache.attention)
     dk = rope_backward(dk, cache.rope_k)
     dq = rope_backward(dq, cache.rope_q)
-    dv = dv.transpose(0, 2, 1, 3).reshape(B, T, KVH * Dh)       # (B, KVH, T, Dh) -> (B, T, KVH*Dh)
-    dk = dk.transpose(0, 2, 1, 3).reshape(B, T, KVH * Dh)
-    dq = dq.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)         # (B, H, T, Dh) -> (B, T, H*Dh)
-    dxn_v, dwv = linear_backward(dv, cache.wv)
-    dxn_k, dwk = linear_backward(dk, cache.wk)
-    dxn_q, dwq = linear_backward(dq, cache.wq)
-    dxn = dxn_q + dxn_k + dxn_v                                  # xn fed wq, wk and wv
+    # undo the split of qkv: write each head-major gradient back into its slice, (B, T, (H + 2 KVH) Dh)
+    dqkv = np.empty((B, T, (H + 2 * KVH) * Dh), dtype=dout.dtype)
+    dqkv[..., :H * Dh].reshape(B, T, H, Dh)[...] = dq.transpose(0, 2, 1, 3)
+    dqkv[..., H * Dh:(H + KVH) * Dh].reshape(B, T, KVH, Dh)[...] = dk.transpose(0, 2, 1, 3)
+    dqkv[..., (H + KVH) * Dh:].reshape(B, T, KVH, Dh)[...] = dv.transpose(0, 2, 1, 3)
+    dxn, dwqkv = linear_backward(dqkv, cache.wqkv)              # sums the q, k and v branches
+    dwq, dwk, dwv = np.split(dwqkv, [H * Dh, (H + KVH) * Dh])
     dx_branch, dattention_norm = rmsnorm_backward(dxn, cache.attention_norm)
     dx = dh + dx_branch                                          # residual: skip + branch
     return dx, LayerWeights(dattention_norm, dwq, dwk, dwv, dwo, dffn_norm, dw1, dw2, dw3)

@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..blas import blas_threads
+
 
 class AttentionCache(NamedTuple):
     q_scaled: np.ndarray     # (B, KVH, R*T, Dh) q / sqrt(Dh), grouped rows
@@ -50,8 +52,10 @@ def attention_forward(q, k, v, mask=None):
     R = H // KVH
     scale = 1.0 / math.sqrt(Dh)
     # 1. scaled scores, one matmul per (batch, kv head): the R query heads of a group as rows.
+    #    These batched matmuls are many small GEMMs: one BLAS thread is faster (see blas.py).
     q_scaled = q.reshape(B, KVH, R * T, Dh) * scale              # (B, H, T, Dh) -> (B, KVH, R*T, Dh)
-    scores = q_scaled @ k.swapaxes(-1, -2)                       # -> (B, KVH, R*T, S)
+    with blas_threads(1):
+        scores = q_scaled @ k.swapaxes(-1, -2)                   # -> (B, KVH, R*T, S)
     # 2. mask the future with -inf (an additive bias: one pass, and exp(-inf) is exactly 0).
     allowed = causal_mask(T, S) if mask is None else np.broadcast_to(mask, (B, T, S))
     bias = np.where(allowed, 0.0, -np.inf).astype(scores.dtype)
@@ -64,7 +68,8 @@ def attention_forward(q, k, v, mask=None):
     att = np.exp(scores, out=scores)
     att /= att.sum(axis=-1, keepdims=True)
     # 4. weighted sum of values.
-    out = att @ v                                                # (B, KVH, R*T, S) @ (B, KVH, S, Dh)
+    with blas_threads(1):
+        out = att @ v                                            # (B, KVH, R*T, S) @ (B, KVH, S, Dh)
     return out.reshape(B, H, T, Dh), AttentionCache(q_scaled, k, v, att, scale, R)
 
 
@@ -82,13 +87,15 @@ def attention_backward(dout, cache):
     B, KVH, RT, Dh = q_scaled.shape
     dout = dout.reshape(B, KVH, RT, Dh)                          # (B, H, T, Dh) -> (B, KVH, R*T, Dh)
     # undo 4: out = att @ v
-    dv = att.swapaxes(-1, -2) @ dout                             # (B, KVH, S, R*T) @ (B, KVH, R*T, Dh)
-    datt = dout @ v.swapaxes(-1, -2)                             # -> (B, KVH, R*T, S)
+    with blas_threads(1):
+        dv = att.swapaxes(-1, -2) @ dout                         # (B, KVH, S, R*T) @ (B, KVH, R*T, Dh)
+        datt = dout @ v.swapaxes(-1, -2)                         # -> (B, KVH, R*T, S)
     # undo 3: the softmax, in place: dscores = att * (datt - rowsum(datt * att))
     datt -= np.sum(datt * att, axis=-1, keepdims=True)
     dscores = np.multiply(datt, att, out=datt)
     # undo 2: the mask added a constant, so it passes gradients through (they are 0 there anyway).
     # undo 1: scores = q_scaled @ k^T
-    dq = (dscores @ k) * scale                                   # (B, KVH, R*T, S) @ (B, KVH, S, Dh)
-    dk = dscores.swapaxes(-1, -2) @ q_scaled                     # (B, KVH, S, R*T) @ (B, KVH, R*T, Dh)
+    with blas_threads(1):
+        dq = (dscores @ k) * scale                               # (B, KVH, R*T, S) @ (B, KVH, S, Dh)
+        dk = dscores.swapaxes(-1, -2) @ q_scaled                 # (B, KVH, S, R*T) @ (B, KVH, R*T, Dh)
     return dq.reshape(B, KVH * R, RT // R, Dh), dk, dv

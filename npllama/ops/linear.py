@@ -19,7 +19,10 @@ def linear_forward(x, weight):
     Inputs:  x (..., in); weight (out, in)
     Returns: y (..., out), cache (x, W) — dW needs x, dx needs W.
     """
-    return x @ weight.T, LinearCache(x, weight)
+    # One (N, in) @ (in, out) GEMM over all positions: NumPy's matmul of a (B, T, in) array would
+    # instead call B small GEMMs, several times slower.
+    y = x.reshape(-1, x.shape[-1]) @ weight.T                   # (N, in) @ (in, out) -> (N, out)
+    return y.reshape(*x.shape[:-1], weight.shape[0]), LinearCache(x, weight)
 
 
 def linear_backward(dy, cache):
@@ -29,6 +32,7 @@ def linear_backward(dy, cache):
     Returns: dx (..., in), dweight (out, in)
     """
     x, weight = cache
-    dx = dy @ weight                                            # (..., out) @ (out, in) -> (..., in)
-    dweight = dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])   # (out, N) @ (N, in)
+    dy2 = dy.reshape(-1, dy.shape[-1])                          # (..., out) -> (N, out)
+    dx = (dy2 @ weight).reshape(x.shape)                        # (N, out) @ (out, in) -> (..., in)
+    dweight = dy2.T @ x.reshape(-1, x.shape[-1])                # (out, N) @ (N, in) -> (out, in)
     return dx, dweight
