@@ -152,17 +152,26 @@ def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None 
         seen = np.asarray(seen)
         if seen.shape != (B, V) or seen.dtype != bool:
             raise ValueError(f"seen must be a bool array of shape {(B, V)}, got {seen.dtype} {seen.shape}")
+    if temperature != 0:
+        if rng is None:
+            raise ValueError("sampling with temperature > 0 needs rng, an np.random.Generator "
+                             "(np.random.default_rng(seed)), or use temperature=0 for greedy decoding")
+        if not isinstance(rng, np.random.Generator) and (
+                len(rng) != B or not all(isinstance(g, np.random.Generator) for g in rng)):
+            raise ValueError(f"rng must be an np.random.Generator or a sequence of {B} of them (one per row)")
+    return choose_next(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen, rng)
+
+
+def choose_next(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen, rng) -> np.ndarray:
+    """sample_next without the argument checks, for a decoding loop that checked them once."""
+    B = logits.shape[0]
+    if repetition_penalty is not None and repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, seen, float(repetition_penalty))
     if temperature == 0:
         return np.argmax(logits, axis=-1).astype(np.int64)
-    if rng is None:
-        raise ValueError("sampling with temperature > 0 needs rng, an np.random.Generator "
-                         "(np.random.default_rng(seed)), or use temperature=0 for greedy decoding")
     if isinstance(rng, np.random.Generator):
         u = rng.random(B)
     else:
-        if len(rng) != B or not all(isinstance(g, np.random.Generator) for g in rng):
-            raise ValueError(f"rng must be an np.random.Generator or a sequence of {B} of them (one per row)")
         u = np.array([g.random() for g in rng])
     probs = filtered_probs(logits, temperature, top_k, top_p, min_p)
     cdf = np.cumsum(probs, axis=-1)

@@ -1,0 +1,180 @@
+"""KV-cached generation against recomputing the whole sequence every step.
+
+The reference, `naive_generate`, runs model.forward over the full sequence for every new token
+and samples with npllama.sampling.sample_next: no cache, no fused step, no padding. Everything
+in npllama.generate must reproduce it.
+"""
+
+import numpy as np
+import pytest
+
+import npllama
+from npllama.generate import DecodeStep, generate, generate_batch, generate_stream
+from npllama.sampling import sample_next
+
+
+def naive_generate(model, prompt, max_new_tokens, temperature=0.0, seed=None, stop_ids=(), **kw):
+    seq = [int(t) for t in prompt]
+    rng = np.random.default_rng(seed)
+    seen = np.zeros((1, model.config.vocab_size), dtype=bool)
+    seen[0, seq] = True
+    out = []
+    for _ in range(max_new_tokens):
+        logits = model.forward(np.array([seq]))[:, -1]
+        t = int(sample_next(logits, temperature, rng=[rng], seen=seen, **kw)[0])
+        if t in stop_ids:
+            break
+        out.append(t)
+        seq.append(t)
+        seen[0, t] = True
+    return out
+
+
+@pytest.fixture
+def model64(tiny_config):
+    return npllama.Llama(tiny_config, seed=3, dtype=np.float64)
+
+
+def test_decode_step_logits_equal_full_recompute(model64, rng):
+    """Every step of the fused, cached decode gives the full forward's last logits to < 1e-10."""
+    cfg = model64.config
+    seq = rng.integers(0, cfg.vocab_size, size=(2, cfg.max_seq_len))
+    P = 5
+    kv = model64.new_kv_cache(2)
+    model64.forward(seq[:, :P], kv_cache=kv, start_pos=0)
+    step = DecodeStep(model64, 2)
+    step.load(kv, P)
+    worst = 0.0
+    for pos in range(P, cfg.max_seq_len):
+        cached = step(seq[:, pos], pos)
+        full = model64.forward(seq[:, :pos + 1])[:, -1]
+        model_cached = model64.forward(seq[:, pos:pos + 1], kv_cache=kv, start_pos=pos)[:, 0]
+        worst = max(worst, np.abs(cached - full).max(), np.abs(cached - model_cached).max())
+    assert worst < 1e-10, worst
+
+
+def test_decode_step_float32_is_close(tiny_config, rng):
+    model = npllama.Llama(tiny_config, seed=1)
+    seq = rng.integers(0, tiny_config.vocab_size, size=(1, 12))
+    kv = model.new_kv_cache(1)
+    model.forward(seq[:, :4], kv_cache=kv)
+    step = DecodeStep(model, 1)
+    step.load(kv, 4)
+    for pos in range(4, 12):
+        cached = step(seq[:, pos], pos)
+        assert cached.dtype == np.float32
+        np.testing.assert_allclose(cached, model.forward(seq[:, :pos + 1])[:, -1], atol=2e-5, rtol=1e-4)
+
+
+def test_greedy_generate_equals_recompute(model64):
+    prompt = [1, 2, 3]
+    n = model64.config.max_seq_len - len(prompt)
+    out = generate(model64, prompt, n)
+    assert isinstance(out, np.ndarray) and out.dtype == np.int64 and out.ndim == 1
+    assert out.tolist() == naive_generate(model64, prompt, n)
+    assert model64.generate(prompt, max_new_tokens=n).tolist() == out.tolist()   # Llama.generate is this
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_k=3),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=1.0, min_p=0.2, repetition_penalty=1.5),
+    dict(temperature=0.0, repetition_penalty=3.0),
+])
+def test_sampled_generate_equals_recompute_with_the_same_seed(model64, kw):
+    prompt = [4, 0, 7, 7]
+    out = generate(model64, prompt, 20, seed=11, **kw)
+    assert out.tolist() == naive_generate(model64, prompt, 20, seed=11, **kw)
+
+
+def test_seeds_reproduce_and_differ(tiny_config):
+    model = npllama.Llama(tiny_config, seed=0)
+    kw = dict(max_new_tokens=25, temperature=1.5)
+    a = generate(model, [1, 2], seed=5, **kw)
+    assert a.tolist() == generate(model, [1, 2], seed=5, **kw).tolist()
+    assert a.tolist() == model.generate([1, 2], seed=5, **kw).tolist()
+    others = [generate(model, [1, 2], seed=s, **kw).tolist() for s in (6, 7, 8)]
+    assert any(o != a.tolist() for o in others)
+
+
+def test_stream_yields_the_same_ids_one_at_a_time(model64):
+    stream = generate_stream(model64, [5, 6], 10, temperature=0.7, seed=2)
+    first = next(stream)
+    assert isinstance(first, int)
+    assert [first] + list(stream) == generate(model64, [5, 6], 10, temperature=0.7, seed=2).tolist()
+
+
+def test_stop_ids_end_generation_and_are_not_returned(model64):
+    full = generate(model64, [1, 2, 3], 20).tolist()
+    stop = full[6]
+    first = full.index(stop)          # the first time the stop id comes up
+    assert generate(model64, [1, 2, 3], 20, stop_ids=[stop]).tolist() == full[:first]
+    assert generate(model64, [1, 2, 3], 20, stop_ids=stop).tolist() == full[:first]   # a single id too
+    unused = sorted(set(range(model64.config.vocab_size)) - set(full))
+    if unused:
+        assert generate(model64, [1, 2, 3], 20, stop_ids=unused).tolist() == full
+
+
+def test_batched_equals_one_by_one(model64):
+    """Prompts of different lengths, left-padded and masked, give each row's own output."""
+    prompts = [[3], [1, 2, 3, 4, 5, 6, 7], [9, 9, 0], [2, 5, 8, 1]]
+    n = model64.config.max_seq_len - max(map(len, prompts))
+    for kw in [dict(), dict(temperature=1.0, top_k=5, seed=4), dict(temperature=0.9, top_p=0.9, seed=[1, 2, 3, 4])]:
+        outs = generate_batch(model64, prompts, n, **kw)
+        seeds = kw.pop("seed", None)
+        for b, (prompt, out) in enumerate(zip(prompts, outs)):
+            seed = seeds[b] if isinstance(seeds, list) else seeds
+            assert out.tolist() == generate(model64, prompt, n, seed=seed, **kw).tolist(), (b, kw)
+
+
+def test_batched_rows_stop_independently(model64):
+    prompts = [[1, 2], [3, 4, 5]]
+    alone = [generate(model64, p, 15).tolist() for p in prompts]
+    stop = alone[0][4]
+    outs = generate_batch(model64, prompts, 15, stop_ids=[stop])
+    for row, out in zip(alone, outs):
+        expected = row[:row.index(stop)] if stop in row else row
+        assert out.tolist() == expected
+
+
+def test_length_limit_and_sliding_window(model64):
+    L = model64.config.max_seq_len
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate(model64, [1] * 10, L - 9)
+    assert len(generate(model64, [1] * 10, L - 10)) == L - 10
+    # the window lifts the limit; until the context fills up it changes nothing
+    long = generate(model64, [1] * 10, 2 * L, sliding_window=True)
+    assert len(long) == 2 * L
+    assert long[:L - 10].tolist() == generate(model64, [1] * 10, L - 10).tolist()
+    assert len(generate(model64, list(range(5)) * L, 3, sliding_window=True)) == 3   # over-long prompt
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: generate(m, [], 3), "empty"),
+    (lambda m: generate(m, [[1, 2]], 3), "1-D"),
+    (lambda m: generate(m, [1.5], 3), "integer"),
+    (lambda m: generate(m, [1, 99], 3), r"prompt_ids\[1\] = 99"),
+    (lambda m: generate(m, [1], -1), "max_new_tokens"),
+    (lambda m: generate(m, [1], 2.0), "max_new_tokens"),
+    (lambda m: generate(m, [1], 3, temperature=-1), "temperature"),
+    (lambda m: generate(m, [1], 3, temperature=1, top_p=0), "top_p"),
+    (lambda m: generate(m, [1], 3, stop_ids=[99]), "stop_ids"),
+    (lambda m: generate(m, [1], 3, stop_ids="a"), "stop_ids"),
+    (lambda m: generate_stream(m, [1], 99), "max_seq_len"),      # checked before the first next()
+    (lambda m: generate_batch(m, [], 3), "non-empty"),
+    (lambda m: generate_batch(m, [[1], [1, 50]], 3), r"prompts\[1\]"),
+    (lambda m: generate_batch(m, [[1], [2]], 3, temperature=1, seed=[1, 2, 3]), "seed"),
+])
+def test_bad_arguments_raise_value_errors(tiny_config, call, message):
+    model = npllama.Llama(tiny_config)
+    with pytest.raises(ValueError, match=message):
+        call(model)
+
+
+def test_zero_new_tokens_and_nan_weights(tiny_config):
+    model = npllama.Llama(tiny_config)
+    assert generate(model, [1, 2], 0).tolist() == []
+    model.params["norm.weight"][:] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        generate(model, [1, 2], 3)
