@@ -87,5 +87,8 @@ def test_directional_derivative_and_sampled_entries(cfg, B, T, seed):
         numeric = numerical_grad(lambda: model.loss_and_grads(tokens, targets)[0], p, indices=picks)
         a, n = grads[name].reshape(-1)[picks], numeric.reshape(-1)[picks]
         floor = np.linalg.norm(grads[name]) * np.sqrt(len(picks) / p.size)
-        err = np.linalg.norm(a - n) / max(np.linalg.norm(a), np.linalg.norm(n), floor, 1e-300)
-        assert err < 1e-6, f"{name}: relative error {err:.2e}; analytic {a}, numeric {n}"
+        # Gradients that are exactly 0 (with equal tokens every value row is equal, and the queries
+        # get no gradient at all) pass when the differences show only their own noise, < 1e-9.
+        diff = np.linalg.norm(a - n)
+        err = diff / max(np.linalg.norm(a), np.linalg.norm(n), floor, 1e-300)
+        assert err < 1e-6 or diff < 1e-9, f"{name}: relative error {err:.2e}; analytic {a}, numeric {n}"
