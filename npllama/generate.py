@@ -25,37 +25,21 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .blas import blas_threads
 from .ops import rope_tables
 from .sampling import check_sampling_args, choose_next
 
 PAD_ID = 0  # fills the left of shorter prompts; masked out, so any valid id would do
 
-# BLAS threads during a decode step. A step's matmuls are tiny (one row per prompt), so a second
+# BLAS threads during decoding. A step's matmuls are tiny (one row per prompt), so a second
 # OpenBLAS thread costs more in hand-off than it saves, and on a busy machine its spin-waiting
-# is ruinous (tools/bench_decode.py measured 1 thread faster in every case on 2 cores: 431 vs
-# 98 tok/s for the 8M config at batch 1 under load). None leaves BLAS as it is configured.
-# Applied through threadpoolctl when it is installed; the prefill, one large matmul per weight,
-# keeps every thread.
+# is ruinous (tools/bench_decode.py, 2 cores under load: 431 vs 98 tok/s for the 8M config at
+# batch 1). None leaves BLAS as it is. The prefill keeps every thread.
 DECODE_BLAS_THREADS: int | None = 1
 
 
 def _blas_limit():
-    """A context manager limiting BLAS to DECODE_BLAS_THREADS, or a no-op."""
-    global _CONTROLLER
-    if DECODE_BLAS_THREADS is None:
-        return contextlib.nullcontext()
-    if _CONTROLLER is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-            _CONTROLLER = ThreadpoolController()
-        except ImportError:
-            _CONTROLLER = False
-    if _CONTROLLER is False:
-        return contextlib.nullcontext()
-    return _CONTROLLER.limit(limits=DECODE_BLAS_THREADS, user_api="blas")
-
-
-_CONTROLLER = None
+    return contextlib.nullcontext() if DECODE_BLAS_THREADS is None else blas_threads(DECODE_BLAS_THREADS)
 
 
 class DecodeStep:
