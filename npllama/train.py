@@ -101,6 +101,8 @@ class TrainConfig:
     log_interval: int = _f("progress line every N steps when output is not a terminal "
                            "(a terminal gets a live line every step)", default=10)
     out_dir: str = _f("folder for ckpt.safetensors, metrics.jsonl and loss.png", default="runs/shakespeare-char")
+    export: str | None = _f("also write the final model alone (no optimizer state: a few MB) to this "
+                            ".safetensors file, with its config and tokenizer", default=None)
     seed: int = _f("seed of the initial weights, the batch order and the samples", default=1337)
     resume: bool = _f("continue from OUT_DIR/ckpt.safetensors exactly where it stopped", default=False)
 
@@ -160,6 +162,8 @@ class TrainConfig:
             bad("max_steps", "is 0 and there is no --time-budget; give one of them so the run can end")
         if not isinstance(self.out_dir, str) or not self.out_dir:
             bad("out_dir", "must name a folder")
+        if self.export is not None and not str(self.export).endswith(".safetensors"):
+            bad("export", "must be a path ending in .safetensors")
         if not isinstance(self.tie_embeddings, bool) or not isinstance(self.resume, bool):
             raise ValueError("tie_embeddings and resume must be True or False")
 
@@ -309,6 +313,25 @@ def estimate_loss(model: Llama, ids: np.ndarray, batch_size: int, seq_len: int, 
     return float(np.mean(losses))
 
 
+def full_val_loss(model: Llama, ids: np.ndarray, seq_len: int, batch_size: int) -> float:
+    """Mean cross-entropy over the whole of ids, cut into consecutive windows of seq_len.
+
+    Window j predicts ids[j*T + 1 : (j + 1)*T + 1] from ids[j*T : (j + 1)*T]; a last window
+    too short for T tokens and its target is left out. Deterministic: the figure the README
+    and weights/README quote.
+    """
+    n_windows = (len(ids) - 1) // seq_len
+    if n_windows < 1:
+        raise ValueError(f"{len(ids)} tokens hold no full window of seq_len={seq_len}")
+    x_all = ids[:n_windows * seq_len].reshape(n_windows, seq_len)
+    y_all = ids[1:n_windows * seq_len + 1].reshape(n_windows, seq_len)
+    total = 0.0
+    for start in range(0, n_windows, batch_size):
+        x, y = x_all[start:start + batch_size], y_all[start:start + batch_size]
+        total += cross_entropy_forward(model.forward(x), y)[0] * len(x)
+    return total / n_windows
+
+
 def sample_text(model: Llama, tokenizer, n_tokens: int, seed: int, prompt: str = "\n",
                 temperature: float = 0.8, top_k: int | None = None) -> str:
     """A short continuation of prompt, for watching the model learn (KV-cache generation)."""
@@ -350,16 +373,17 @@ class MetricsLog:
     """metrics.jsonl: one JSON object per line, flushed as written (a killed run keeps its log).
 
     {"kind": "train", "step", "loss", "lr", "grad_norm", "tok_per_s", "elapsed"} per step and
-    {"kind": "eval", "step", "val_loss", "train_loss"} per evaluation; "step" counts optimizer
-    steps completed. On resume, lines past the resumed step (written after that checkpoint by
-    the interrupted run) are dropped so the log matches the run's history.
+    {"kind": "eval", "step", "val_loss", "train_loss"} per evaluation, and at the end of a run
+    {"kind": "final", "step", "full_val_loss"}; "step" counts optimizer steps completed. On
+    resume, lines past the resumed step (written after that checkpoint by the interrupted run)
+    and the earlier run's "final" line are dropped, so the log reads as one run.
     """
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         if resume_step is not None and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            kept = [json.dumps(r) for r in records if r.get("kind") != "final" and r.get("step", 0) <= resume_step]
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, path)
@@ -381,7 +405,10 @@ def read_metrics(path) -> tuple[list[dict], list[dict]]:
     for line in Path(path).read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            (evals if rec.get("kind") == "eval" else train).append(rec)
+            if rec.get("kind") == "eval":
+                evals.append(rec)
+            elif rec.get("kind") == "train":
+                train.append(rec)
     return train, evals
 
 
@@ -435,6 +462,7 @@ class TrainResult:
     plot: Path | None
     stopped: str                    # "max_steps", "time_budget", "interrupted"
     elapsed: float                  # seconds of this run
+    full_val_loss: float            # over every validation token (full_val_loss)
     history: list = field(default_factory=list)   # (step, val_loss) of every eval
 
 
@@ -663,12 +691,22 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
                 checkpoint(step)
     finally:
         metrics.close()
+    if cfg.export:
+        from .checkpoint import save
+        save(model, cfg.export, format="meta")
+    # the deterministic figure to quote: every validation token once, in windows of seq_len
+    final_val = full_val_loss(model, corpus.val_ids, cfg.seq_len, cfg.batch_size)
+    with open(metrics.path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"kind": "final", "step": step, "full_val_loss": final_val}) + "\n")
     elapsed = time.perf_counter() - run_start
     png = plot_metrics(metrics.path, out_dir / PLOT_NAME)
     shown_val = "?" if last_val is None else f"{last_val:.4f}"
     log(f"done: {step} steps, val loss {shown_val}, {_fmt_time(elapsed)} "
         f"({tokens_per_step * (step - start_step) / max(train_time, 1e-9):,.0f} tok/s while training)")
+    log(f"  val loss over the whole validation split ({len(corpus.val_ids):,} tokens): {final_val:.4f}")
     log(f"  checkpoint  {ckpt_path}   (resume: add --resume; sample: npllama generate --model {ckpt_path})")
+    if cfg.export:
+        log(f"  model       {cfg.export}   (weights, config and tokenizer only: npllama generate --model {cfg.export})")
     log(f"  metrics     {metrics.path}")
     if png is not None:
         log(f"  loss curve  {png}")
@@ -676,7 +714,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
         log(f"  loss curve  not drawn: matplotlib is not installed (pip install 'npllama[plot]' or "
             f"pip install matplotlib), then: python -m npllama.train plot {out_dir}")
     return TrainResult(step, last_val, ckpt_path if saved_step is not None else None, metrics.path, png,
-                       stopped, elapsed, history)
+                       stopped, elapsed, final_val, history)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,4 +116,5 @@ def test_module_entry_point_redraws_the_plot(shakespeare_slice, tmp_path):
     assert train_mod.main(["plot", str(out)]) == 0
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert train_mod.main(["plot", str(tmp_path / "nothing")]) == 1
-    assert np.isfinite(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"])
+    final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final["kind"] == "final" and final["step"] == 3 and np.isfinite(final["full_val_loss"])

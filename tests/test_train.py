@@ -290,3 +290,31 @@ def test_loss_curve_or_how_to_get_it(text_file, tmp_path, monkeypatch):
     res = train(tiny_cfg(text_file, tmp_path / "q", max_steps=4), out=log)
     assert res.plot is None and "pip install" in log.getvalue()
     assert "python -m npllama.train plot" in log.getvalue()
+
+
+def test_export_writes_the_model_alone(text_file, tmp_path):
+    from npllama.checkpoint import read_safetensors
+    export = tmp_path / "weights" / "model.safetensors"
+    (tmp_path / "weights").mkdir()
+    res = train(tiny_cfg(text_file, tmp_path / "run", max_steps=3, export=str(export)), out=io.StringIO())
+    tensors, metadata = read_safetensors(export)
+    assert not any(n.startswith("optimizer.") for n in tensors) and "npllama_train_state" not in metadata
+    model = npllama.load(export)
+    ck = load_train_checkpoint(res.checkpoint)
+    assert params_equal(model.params, ck.model.params)
+    assert model.tokenizer.decode(model.tokenizer.encode("KING:\nGood night.")) == "KING:\nGood night."
+    with pytest.raises(ValueError, match="--export"):
+        tiny_cfg(text_file, tmp_path / "x", export="model.bin").validate()
+
+
+def test_full_val_loss_covers_every_window_once():
+    from npllama.ops import cross_entropy_forward
+    cfg = npllama.LlamaConfig(dim=16, n_layers=1, n_heads=2, vocab_size=11, multiple_of=8, max_seq_len=8)
+    model = Llama(cfg, seed=2, dtype=np.float64)
+    ids = np.random.default_rng(0).integers(0, 11, 8 * 5 + 3)       # 5 full windows and a remainder
+    got = train_mod.full_val_loss(model, ids, seq_len=8, batch_size=2)
+    per_window = [cross_entropy_forward(model.forward(ids[None, j * 8:(j + 1) * 8]), ids[None, j * 8 + 1:(j + 1) * 8 + 1])[0]
+                  for j in range(5)]
+    assert got == pytest.approx(np.mean(per_window), rel=1e-12)
+    with pytest.raises(ValueError, match="no full window"):
+        train_mod.full_val_loss(model, ids[:8], seq_len=8, batch_size=2)
