@@ -20,10 +20,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def rel_error(a, b) -> float:
-    """||a - b|| / max(||a||, ||b||, tiny): a norm-based relative error that stays meaningful near 0."""
+def rel_error(a, b, floor=1e-300) -> float:
+    """||a - b|| / max(||a||, ||b||, floor): a norm-based relative error that stays meaningful near 0.
+
+    floor: the size below which a gradient counts as zero, so that 1e-17 against an exact 0
+    (rounding, not error) is not reported as a relative error of 1.
+    """
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    scale = max(np.linalg.norm(a), np.linalg.norm(b), 1e-300)
+    scale = max(np.linalg.norm(a), np.linalg.norm(b), floor)
     return float(np.linalg.norm(a - b) / scale)
 
 
@@ -46,9 +50,11 @@ def numerical_grad(f, x, h=1e-6, indices=None):
     return grad
 
 
-def gradcheck(forward, backward, *inputs, seed=0, h=1e-6):
+def gradcheck(forward, backward, *inputs, seed=0, h=1e-6, floor=1e-8):
     """Relative error of backward's gradient for each array input of forward, in float64.
 
+    floor: gradients smaller than this in norm count as zero (see rel_error); with inputs of
+    order 1, as here, a true gradient is either exactly zero or far above it.
     forward(*inputs) -> (y, cache); backward(dy, cache) -> gradients in the order of inputs
     (a single array when there is one input). Integer inputs (token ids) are skipped with error 0.
     Returns a list of relative errors, one per input.
@@ -68,7 +74,7 @@ def gradcheck(forward, backward, *inputs, seed=0, h=1e-6):
             errors.append(0.0)
             continue
         numeric = numerical_grad(lambda: float(np.sum(forward(*inputs)[0] * dy)), x, h)
-        errors.append(rel_error(next(grads), numeric))
+        errors.append(rel_error(next(grads), numeric, floor))
     return errors
 
 

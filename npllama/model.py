@@ -12,10 +12,13 @@ block_backward is block_forward read bottom-up, one op per line.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 
+from .blas import blas_threads
 from .config import LlamaConfig
 from .kvcache import KVCache
 from .ops import (
@@ -61,6 +64,24 @@ class BlockCache(NamedTuple):
     w13: tuple
     swiglu: tuple
     w2: tuple
+
+
+def default_workers(batch_size: int) -> int:
+    """Threads for loss_and_grads: one per core the process may use, at most one per batch row."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:          # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, batch_size))
+
+
+_EXECUTORS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    if workers not in _EXECUTORS:
+        _EXECUTORS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="npllama-shard")
+    return _EXECUTORS[workers]
 
 
 class TokenError(ValueError):
@@ -314,18 +335,49 @@ class Llama:
             kv_cache.length = int(start_pos) + tokens.shape[1]
         return logits[0] if one_dim else logits
 
-    def loss_and_grads(self, tokens, targets):
+    def loss_and_grads(self, tokens, targets, workers=None):
         """Mean cross-entropy of the targets (ignoring -100) and its gradient for every parameter.
 
         tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params).
+        workers: threads, each taking a contiguous shard of the batch rows (default: one per CPU
+            core, at most B). Each shard's loss is divided by the whole batch's target count, so the
+            shards' losses and gradients add up to the full batch's exactly (up to rounding). NumPy
+            releases the GIL inside its ufuncs and BLAS calls, so shards run in parallel, every
+            element-wise op included, where one process with a multi-threaded BLAS would run those
+            on one core. The result depends on `workers` only through rounding; pass workers=1 for
+            sums in one order on every machine.
         """
         tokens = self.validate_tokens(tokens)
         targets = self.validate_tokens(targets, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
             raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
+        n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
+        if n_valid == 0:
+            raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
+        workers = default_workers(tokens.shape[0]) if workers is None else workers
+        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+            raise ValueError(f"workers={workers!r} must be a positive integer")
+        workers = min(int(workers), tokens.shape[0])
+        if workers == 1:
+            return self._loss_and_grads(tokens, targets, n_valid)
+        shards = np.array_split(np.arange(tokens.shape[0]), workers)
+        # Each thread's GEMMs are one shard's: one BLAS thread each keeps the cores to the shards.
+        with blas_threads(1):
+            futures = [_executor(workers).submit(self._loss_and_grads, tokens[rows], targets[rows], n_valid)
+                       for rows in shards]
+            results = [f.result() for f in futures]
+        loss, grads = results[0]
+        for shard_loss, shard_grads in results[1:]:         # the batch's gradient is the shards' sum
+            loss += shard_loss
+            for name, g in shard_grads.items():
+                grads[name] += g
+        return loss, grads
+
+    def _loss_and_grads(self, tokens, targets, normalizer):
+        """Loss and gradients of validated tokens and targets, the loss summed and divided by normalizer."""
         cfg = self.config
         logits, (c_embedding, block_caches, c_norm, c_output) = self._forward(tokens)
-        loss, c_loss = cross_entropy_forward(logits, targets)
+        loss, c_loss = cross_entropy_forward(logits, targets, normalizer)
         # The chain rule starts here: dloss = 1.0, and cross-entropy divides by the number of
         # targets that are not -100.
         dlogits = cross_entropy_backward(1.0, c_loss)

@@ -81,3 +81,24 @@ def test_hidden_dim_rule_matches_meta():
                                ffn_dim_multiplier=1.3).hidden_dim == 28672                     # Llama 2 70B
     assert npllama.LlamaConfig(dim=288, n_heads=6, multiple_of=32).hidden_dim == 768           # llama2.c 15M
     assert npllama.LlamaConfig(dim=64, n_heads=4, hidden_dim=100).hidden_dim == 100
+
+
+@pytest.mark.parametrize("workers", [2, 3, 5])
+def test_sharded_loss_and_grads_equal_one_pass(tiny_config, workers):
+    model = npllama.Llama(tiny_config, seed=2, dtype=np.float64)
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, tiny_config.vocab_size, (5, 7))
+    targets = rng.integers(0, tiny_config.vocab_size, (5, 7))
+    targets[0] = -100                                  # a shard with nothing to predict still adds up
+    targets[3, :4] = -100
+    loss1, grads1 = model.loss_and_grads(tokens, targets, workers=1)
+    loss, grads = model.loss_and_grads(tokens, targets, workers=workers)
+    assert loss == pytest.approx(loss1, rel=1e-13)
+    for name in grads1:
+        np.testing.assert_allclose(grads[name], grads1[name], rtol=1e-10, atol=1e-14, err_msg=name)
+
+
+def test_workers_must_be_positive(tiny_config):
+    model = npllama.Llama(tiny_config)
+    with pytest.raises(ValueError, match="workers=0"):
+        model.loss_and_grads([[1, 2]], [[2, 3]], workers=0)

@@ -28,6 +28,7 @@ class AttentionCache(NamedTuple):
     k: np.ndarray            # (B, KVH, S, Dh)
     v: np.ndarray            # (B, KVH, S, Dh)
     att: np.ndarray          # (B, KVH, R*T, S) softmax probabilities
+    out: np.ndarray          # (B, KVH, R*T, Dh) the output, for the softmax backward's row sums
     scale: float             # 1 / sqrt(Dh)
     n_rep: int               # R, query heads per key/value head
 
@@ -70,7 +71,7 @@ def attention_forward(q, k, v, mask=None):
     # 4. weighted sum of values.
     with blas_threads(1):
         out = att @ v                                            # (B, KVH, R*T, S) @ (B, KVH, S, Dh)
-    return out.reshape(B, H, T, Dh), AttentionCache(q_scaled, k, v, att, scale, R)
+    return out.reshape(B, H, T, Dh), AttentionCache(q_scaled, k, v, att, out, scale, R)
 
 
 def attention_backward(dout, cache):
@@ -79,19 +80,22 @@ def attention_backward(dout, cache):
         dv     = att^T @ dout                     (sums the group's R heads: rows are R*T long)
         datt   = dout @ v^T
         dscore = att * (datt - rowsum(datt * att))   (softmax Jacobian; masked entries have att = 0)
+                                                     rowsum(datt * att) = rowsum(dout * out)
         dq     = (dscore @ k) / sqrt(Dh)
         dk     = dscore^T @ (q / sqrt(Dh))         (again a sum over the group's R heads)
     Shapes: dout (B, H, T, Dh) -> dq (B, H, T, Dh), dk (B, KVH, S, Dh), dv (B, KVH, S, Dh)
     """
-    q_scaled, k, v, att, scale, R = cache
+    q_scaled, k, v, att, out, scale, R = cache
     B, KVH, RT, Dh = q_scaled.shape
     dout = dout.reshape(B, KVH, RT, Dh)                          # (B, H, T, Dh) -> (B, KVH, R*T, Dh)
     # undo 4: out = att @ v
     with blas_threads(1):
         dv = att.swapaxes(-1, -2) @ dout                         # (B, KVH, S, R*T) @ (B, KVH, R*T, Dh)
         datt = dout @ v.swapaxes(-1, -2)                         # -> (B, KVH, R*T, S)
-    # undo 3: the softmax, in place: dscores = att * (datt - rowsum(datt * att))
-    datt -= np.sum(datt * att, axis=-1, keepdims=True)
+    # undo 3: the softmax, in place: dscores = att * (datt - rowsum(datt * att)). The row sum
+    # equals rowsum(dout * out), since datt = dout @ v^T and out = att @ v (FlashAttention-2's D):
+    # a sum over Dh instead of over S, and no (R*T, S) temporary.
+    datt -= np.sum(dout * out, axis=-1, keepdims=True)
     dscores = np.multiply(datt, att, out=datt)
     # undo 2: the mask added a constant, so it passes gradients through (they are 0 there anyway).
     # undo 1: scores = q_scaled @ k^T
