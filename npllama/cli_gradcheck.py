@@ -36,8 +36,7 @@ def op_checks(rng, B, T, H, KVH, Dh, F, V):
         ("attention (GQA, causal)", ops.attention_forward, ops.attention_backward,
          [rng.standard_normal((B, H, T, Dh)), rng.standard_normal((B, KVH, T, Dh)),
           rng.standard_normal((B, KVH, T, Dh))]),
-        ("swiglu", ops.swiglu_forward, ops.swiglu_backward,
-         [rng.standard_normal((B, T, F)), rng.standard_normal((B, T, F))]),
+        ("swiglu", ops.swiglu_forward, ops.swiglu_backward, [rng.standard_normal((B, T, 2 * F))]),
         ("cross-entropy", lambda z: (ops.cross_entropy_forward(z, targets)[0], ops.cross_entropy_forward(z, targets)[1]),
          ops.cross_entropy_backward, [rng.standard_normal((B, T, V))]),
     ]

@@ -154,9 +154,8 @@ def block_forward(x, w: LayerWeights, cos, sin, *, n_heads, n_kv_heads, eps, kv=
     h = x + o
     # feed-forward sub-block: out = h + w2(silu(w1(hn)) * w3(hn))
     hn, c_ffn_norm = rmsnorm_forward(h, w.ffn_norm, eps)
-    ab, c_w13 = linear_forward(hn, np.concatenate((w.w1, w.w3)))            # (B, T, 2F)
-    a, b = np.split(ab, 2, axis=-1)
-    g, c_swiglu = swiglu_forward(a, b)
+    ab, c_w13 = linear_forward(hn, np.concatenate((w.w1, w.w3)))            # (B, T, 2F): [gate | up]
+    g, c_swiglu = swiglu_forward(ab)
     f, c_w2 = linear_forward(g, w.w2)
     out = h + f
     cache = BlockCache(c_attention_norm, c_wqkv, c_rope_q, c_rope_k, c_attention, c_wo,
@@ -172,8 +171,8 @@ def block_backward(dout, cache: BlockCache):
     Dh = D // H
     # undo out = h + f: the residual passes dout to h unchanged, and to the branch
     dg, dw2 = linear_backward(dout, cache.w2)
-    da, db = swiglu_backward(dg, cache.swiglu)
-    dhn, dw13 = linear_backward(np.concatenate((da, db), axis=-1), cache.w13)  # sums the w1 and w3 branches
+    dab = swiglu_backward(dg, cache.swiglu)                     # (B, T, 2F): [dgate | dup]
+    dhn, dw13 = linear_backward(dab, cache.w13)                  # sums the w1 and w3 branches
     dw1, dw3 = np.split(dw13, 2)
     dh_branch, dffn_norm = rmsnorm_backward(dhn, cache.ffn_norm)
     dh = dout + dh_branch                                        # residual: skip + branch
