@@ -66,8 +66,16 @@ class BlockCache(NamedTuple):
     w2: tuple
 
 
-def default_workers(batch_size: int) -> int:
-    """Threads for loss_and_grads: one per core the process may use, at most one per batch row."""
+# Below this many activations per layer (B * T * D) a step takes about a millisecond, and handing
+# shards to threads costs more than it saves.
+_MIN_SHARDED_ACTIVATIONS = 1 << 16
+
+
+def default_workers(batch_size: int, seq_len: int, dim: int) -> int:
+    """Threads for loss_and_grads: one per core the process may use, at most one per batch row,
+    and one alone for steps too small to share."""
+    if batch_size * seq_len * dim < _MIN_SHARDED_ACTIVATIONS:
+        return 1
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:          # not on Linux
@@ -339,7 +347,7 @@ class Llama:
 
         tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params).
         workers: threads, each taking a contiguous shard of the batch rows (default: one per CPU
-            core, at most B). Each shard's loss is divided by the whole batch's target count, so the
+            core, at most B; one for steps under 65536 activations per layer). Each shard's loss is divided by the whole batch's target count, so the
             shards' losses and gradients add up to the full batch's exactly (up to rounding). NumPy
             releases the GIL inside its ufuncs and BLAS calls, so shards run in parallel, every
             element-wise op included, where one process with a multi-threaded BLAS would run those
@@ -353,7 +361,7 @@ class Llama:
         n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
         if n_valid == 0:
             raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
-        workers = default_workers(tokens.shape[0]) if workers is None else workers
+        workers = default_workers(*tokens.shape, self.config.dim) if workers is None else workers
         if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
             raise ValueError(f"workers={workers!r} must be a positive integer")
         workers = min(int(workers), tokens.shape[0])
