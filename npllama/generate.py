@@ -52,8 +52,9 @@ class DecodeStep:
     - RMSNorm's weight w is folded into the matrix that follows it, and so are sqrt(D) and wq's
       1/sqrt(Dh):  x * r * w @ Wq.T / sqrt(Dh) = x / sqrt(sum(x**2) + D eps) @ (sqrt(D) w Wq.T / sqrt(Dh)),
       since r = (mean(x**2) + eps) ** -0.5 = sqrt(D) / sqrt(sum(x**2) + D eps);
-    - wq, wk, wv form one (D, (H + 2 KVH) Dh) matrix and w1, w3 one (D, 2F) matrix, stored
-      transposed so each projection is a plain x @ W;
+    - wq, wk, wv form one matrix of (H + 2 KVH) Dh outputs and w1, w3 one of 2F outputs, so each
+      sub-block starts with a single matmul (stored in the orientation OpenBLAS runs fastest for
+      the batch size: see _linear);
     - RoPE rotates q and k together with one complex multiply, as Meta's reference does: the pair
       (x[2i], x[2i+1]) read as x[2i] + i x[2i+1], times cos + i sin, is the rotation
           y[2i] = x[2i] cos - x[2i+1] sin,   y[2i+1] = x[2i] sin + x[2i+1] cos;
@@ -76,26 +77,36 @@ class DecodeStep:
         self.embedding = p["tok_embeddings.weight"]
         sqrt_d = math.sqrt(cfg.dim)
 
-        def fold(name, norm, scale=1.0):
-            """(out, D) weight * (norm weight * scale) on its input axis, in float64."""
-            return p[name].astype(np.float64) * (p[norm].astype(np.float64) * (sqrt_d * scale))
+        # OpenBLAS picks its kernel by shape: for 1-2 rows x @ W with W stored (in, out) is fastest,
+        # for more rows (W @ x.T).T with W stored (out, in), as Meta has it (up to 1.4x apart at
+        # 8 rows of the 8M config; see _linear).
+        self.rows_first = batch_size <= 2
+
+        def stacked(names, norm, scales):
+            """The matrices W (out, in) stacked along out, each times its folded norm weight on the
+            input axis when norm is given; stored transposed, (in, outs), when rows_first."""
+            parts = []
+            for name, scale in zip(names, scales):
+                w = p[name]
+                if norm is not None:
+                    w = w * (p[norm].astype(np.float64) * (sqrt_d * scale)).astype(dtype)
+                parts.append(w)
+            w = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            return np.ascontiguousarray(w.T if self.rows_first else w, dtype=dtype)
 
         self.layers = []
         for i in range(cfg.n_layers):
             pre = f"layers.{i}."
-            wqkv = np.concatenate([fold(pre + "attention.wq.weight", pre + "attention_norm.weight", self.Dh ** -0.5),
-                                   fold(pre + "attention.wk.weight", pre + "attention_norm.weight"),
-                                   fold(pre + "attention.wv.weight", pre + "attention_norm.weight")])  # ((H+2KVH)*Dh, D)
-            w13 = np.concatenate([fold(pre + "feed_forward.w1.weight", pre + "ffn_norm.weight"),
-                                  fold(pre + "feed_forward.w3.weight", pre + "ffn_norm.weight")])    # (2F, D)
+            attn = [pre + f"attention.{n}.weight" for n in ("wq", "wk", "wv")]
+            ffn = [pre + f"feed_forward.{n}.weight" for n in ("w1", "w3")]
             self.layers.append((
-                np.ascontiguousarray(wqkv.T, dtype=dtype),                                 # (D, (H+2KVH)*Dh)
-                np.ascontiguousarray(p[pre + "attention.wo.weight"].T),                    # (H*Dh, D)
-                np.ascontiguousarray(w13.T, dtype=dtype),                                  # (D, 2F)
-                np.ascontiguousarray(p[pre + "feed_forward.w2.weight"].T),                 # (F, D)
+                stacked(attn, pre + "attention_norm.weight", (self.Dh ** -0.5, 1.0, 1.0)),  # (H+2KVH)*Dh by D
+                stacked([pre + "attention.wo.weight"], None, (1.0,)),                     # D by H*Dh
+                stacked(ffn, pre + "ffn_norm.weight", (1.0, 1.0)),                         # 2F by D
+                stacked([pre + "feed_forward.w2.weight"], None, (1.0,)),                  # D by F
             ))
         out_name = "tok_embeddings.weight" if cfg.tie_embeddings else "output.weight"
-        self.output = np.ascontiguousarray(fold(out_name, "norm.weight").T, dtype=dtype)   # (D, V)
+        self.output = stacked([out_name], "norm.weight", (1.0,))                          # V by D
         # freqs[p, i] = cos(p theta_i) + i sin(p theta_i): the model's RoPE tables as complex numbers
         self.complex_dtype = np.result_type(dtype, np.complex64)
         cos, sin = rope_tables(self.Dh, cfg.max_seq_len, cfg.rope_theta, dtype)
@@ -116,6 +127,10 @@ class DecodeStep:
         ms += self.D_eps
         return x / np.sqrt(ms, out=ms)
 
+    def _linear(self, x, w):
+        """x (B, in) -> (B, out) through a stacked matrix (see rows_first); may be a transposed view."""
+        return x @ w if self.rows_first else (w @ x.T).T
+
     def __call__(self, ids: np.ndarray, pos: int, key_bias: np.ndarray | None = None) -> np.ndarray:
         """ids (B,) ints at absolute position pos, after positions 0 .. pos-1 in the cache.
 
@@ -129,7 +144,7 @@ class DecodeStep:
         freq = self.freqs[pos]                                         # (Dh/2,) complex
         with np.errstate(over="ignore"):  # silu: exp(-a) -> inf for very negative a; 1 / inf = 0 is right
             for (wqkv, wo, w13, w2), k_cache, v_cache in zip(self.layers, self.k, self.v):
-                qkv = self._rms(x) @ wqkv                              # (B, D) -> (B, (H+2KVH)*Dh)
+                qkv = np.ascontiguousarray(self._linear(self._rms(x), wqkv))   # (B, D) -> (B, (H+2KVH)*Dh)
                 # RoPE on q and k at once, as complex pairs: (B, (H+KVH)*Dh) -> (B, H+KVH, Dh/2)
                 qk = qkv[:, :(H + KVH) * Dh].view(self.complex_dtype).reshape(B, H + KVH, Dh // 2) * freq
                 qk = qk.view(x.dtype)                                  # (B, H+KVH, Dh), rotated
@@ -142,11 +157,11 @@ class DecodeStep:
                 e = np.exp(scores, out=scores)
                 ev = e @ v_cache[:, :, :S]                             # (B, KVH, R, Dh+1): [sum e v | sum e]
                 att = ev[..., :Dh] / ev[..., Dh:]                      # (B, KVH, R, Dh)
-                x = x + att.reshape(B, H * Dh) @ wo                    # (B, H*Dh) -> (B, D)
-                ab = self._rms(x) @ w13                                # (B, D) -> (B, 2F)
+                x = x + self._linear(att.reshape(B, H * Dh), wo)       # (B, H*Dh) -> (B, D)
+                ab = self._linear(self._rms(x), w13)                   # (B, D) -> (B, 2F)
                 a, b = ab[:, :F], ab[:, F:]
-                x = x + (a * b / (1.0 + np.exp(-a))) @ w2              # silu(a) * b: (B, F) -> (B, D)
-        return self._rms(x) @ self.output                              # (B, D) -> (B, V)
+                x = x + self._linear(a * b / (1.0 + np.exp(-a)), w2)   # silu(a) * b: (B, F) -> (B, D)
+        return np.ascontiguousarray(self._linear(self._rms(x), self.output))   # (B, D) -> (B, V)
 
 
 # ----------------------------------------------------------------------------- argument checks

@@ -35,14 +35,16 @@ def model64(tiny_config):
     return npllama.Llama(tiny_config, seed=3, dtype=np.float64)
 
 
-def test_decode_step_logits_equal_full_recompute(model64, rng):
+@pytest.mark.parametrize("B", [1, 4])   # both weight layouts (DecodeStep.rows_first)
+def test_decode_step_logits_equal_full_recompute(model64, rng, B):
     """Every step of the fused, cached decode gives the full forward's last logits to < 1e-10."""
     cfg = model64.config
-    seq = rng.integers(0, cfg.vocab_size, size=(2, cfg.max_seq_len))
+    seq = rng.integers(0, cfg.vocab_size, size=(B, cfg.max_seq_len))
     P = 5
-    kv = model64.new_kv_cache(2)
+    kv = model64.new_kv_cache(B)
     model64.forward(seq[:, :P], kv_cache=kv, start_pos=0)
-    step = DecodeStep(model64, 2)
+    step = DecodeStep(model64, B)
+    assert step.rows_first == (B <= 2)
     step.load(kv, P)
     worst = 0.0
     for pos in range(P, cfg.max_seq_len):
