@@ -52,6 +52,19 @@ def _ids(text):
     return ids
 
 
+def _unescape(text: str) -> str:
+    """\\n, \\t and \\\\ as a shell passes them (--stop "\\n\\n") -> newline, tab, backslash."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "generate", help="generate text from a checkpoint (streams to stdout)",
@@ -84,8 +97,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="SPM_FILE",
                    help="a sentencepiece .model file to use instead of the tokenizer in the checkpoint "
                         "[default: the checkpoint's]")
-    p.add_argument("--stop", action="append", default=argparse.SUPPRESS, metavar="STR",
-                   help="stop before this text appears (repeatable); EOS always stops")
+    p.add_argument("--stop", action="append", type=_unescape, default=argparse.SUPPRESS, metavar="STR",
+                   help="stop before this text appears (repeatable; \\n and \\t mean newline and tab); "
+                        "EOS always stops")
     p.add_argument("--no-bos", action="store_true", help="do not put the tokenizer's BOS id before the prompt")
     p.add_argument("--sliding-window", action="store_true",
                    help="when prompt + N passes the model's max_seq_len, keep going: the newest half of the "
@@ -192,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
                     repetition_penalty=args.repeat_penalty if args.repeat_penalty != 1.0 else None)
     stream = generate_stream(model, prompt, n, seed=seed, stop_ids=stop_ids,
                              sliding_window=args.sliding_window, **sampling)
-    shown = ", ".join(f"{k}={v}" for k, v in sampling.items() if v is not None)
+    shown = ", ".join(f"{k}={v}" for k, v in sampling.items() if v is not None and
+                      (args.temperature > 0 or k == "repetition_penalty"))
+    shown = shown if args.temperature > 0 else ", ".join(["greedy", shown]).rstrip(", ")
     print(f"[npllama generate] {path} ({cfg.n_params():,} params, dim={cfg.dim}, layers={cfg.n_layers}, "
           f"max_seq_len={cfg.max_seq_len}, {args.dtype}); tokenizer: {tokenizer!r}; prompt: {len(prompt)} tokens; "
           f"{shown}; seed={seed}; max_new_tokens={n}", file=sys.stderr, flush=True)

@@ -77,10 +77,13 @@ class DecodeStep:
         self.embedding = p["tok_embeddings.weight"]
         sqrt_d = math.sqrt(cfg.dim)
 
-        # OpenBLAS picks its kernel by shape: for 1-2 rows x @ W with W stored (in, out) is fastest,
-        # for more rows (W @ x.T).T with W stored (out, in), as Meta has it (up to 1.4x apart at
-        # 8 rows of the 8M config; see _linear).
-        self.rows_first = batch_size <= 2
+        # OpenBLAS picks its kernel by shape. Measured per step (one thread): with 2 rows, x @ W
+        # with W stored (in, out) beats (W @ x.T).T with W stored (out, in), as Meta has it, by
+        # 1.4x on the 8M config; with 4+ rows the latter wins by up to 1.4x; with one row they tie
+        # for dim 288, and x @ W saves ~0.5 us a matmul for dim 64, where calls dominate. Storing
+        # (in, out) costs a transposing copy of every weight at setup (~25 ms for 8M parameters),
+        # so it is done only where it pays.
+        self.rows_first = batch_size == 2 or (batch_size == 1 and cfg.dim <= 128)
 
         def stacked(names, norm, scales):
             """The matrices W (out, in) stacked along out, each times its folded norm weight on the

@@ -143,3 +143,14 @@ def test_registered_in_the_npllama_command(capsys, char_model):
     path, _ = char_model
     assert cli.main(["generate", "-m", str(path), "-p", "All", "-n", "5", "--temp", "0"]) == 0
     assert capsys.readouterr().out.startswith("All")
+
+
+def test_stop_flag_understands_backslash_escapes(capsys, char_model):
+    path, model = char_model
+    tok = model.tokenizer
+    full = tok.decode(generate(model, tok.encode("All:"), 50, temperature=1.0, seed=0))
+    assert "\n" in full[1:]   # this seed does write a newline, after the first character
+    code, out, _ = run(capsys, "-m", path, "-p", "All:", "-n", 50, "--temp", 1, "--top-k", 0, "--top-p", 1,
+                       "--min-p", 0, "-s", 0, "--stop", "\\n")
+    assert code == 0 and out == "All:" + full[:full.index("\n")] + "\n"
+    assert cli_generate._unescape(r"a\n\tb\\n\x") == "a\n\tb\\n\\x"
