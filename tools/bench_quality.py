@@ -74,7 +74,23 @@ class Side:
         self.steps += 1
 
 
-def build_side(name: str, preset_name: str, eval_batches: int, warmup: float = 5.0) -> tuple[Side, object]:
+def resolve(preset_name: str, overrides: list[str]):
+    """The preset with KEY=VALUE overrides (TrainConfig field names, values in the field's type)."""
+    cfg = preset(preset_name)
+    changes = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not hasattr(cfg, key):
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with a TrainConfig field")
+        kind = type(getattr(cfg, key))
+        changes[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else \
+            (kind(value) if kind in (int, float) else value)
+    cfg = cfg.replace(**changes)
+    cfg.validate()
+    return cfg
+
+
+def build_side(name: str, preset_name: str, eval_batches: int, overrides=(), warmup: float = 5.0):
     """The contender `name` ("npllama" or "torch"), warmed up and then built afresh.
 
     In a new process PyTorch's first ~15 training steps are slow (0.4 s each for the tiny
@@ -82,7 +98,7 @@ def build_side(name: str, preset_name: str, eval_batches: int, warmup: float = 5
     trains a throwaway copy for 30 steps and at least `warmup` seconds, off the clock, and the
     timed run starts from a fresh model, optimizer and batch generator.
     """
-    cfg = preset(preset_name)
+    cfg = resolve(preset_name, list(overrides))
     corpus = prepare_data(cfg, log=lambda m: None)
     throwaway = make_side(name, cfg, corpus, eval_batches)
     t0 = time.perf_counter()
@@ -148,9 +164,9 @@ def make_side(name: str, cfg, corpus, eval_batches: int) -> Side:
     return Side(name, step, evaluate)
 
 
-def worker(name, preset_name, eval_batches, budget, conn) -> None:
+def worker(name, preset_name, eval_batches, overrides, budget, conn) -> None:
     """A side in its own process: ("until", t) trains until its clock reaches t; ("eval",) estimates."""
-    side, cfg = build_side(name, preset_name, eval_batches)
+    side, cfg = build_side(name, preset_name, eval_batches, overrides)
     conn.send(("ready", None))
     while True:
         cmd, arg = conn.recv()
@@ -174,15 +190,19 @@ def main(argv=None) -> int:
     ap.add_argument("--marks", type=int, default=5, help="validation estimates along the budget")
     ap.add_argument("--slice", type=float, default=5.0,
                     help="seconds each side trains before the other's turn")
+    ap.add_argument("--verbose", action="store_true", help="print every slice")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a preset field (repeatable), e.g. --set seq_len=64")
     args = ap.parse_args(argv)
 
     import multiprocessing as mp
     import torch
-    cfg = preset(args.preset)
+    cfg = resolve(args.preset, args.set)
     corpus = prepare_data(cfg, log=lambda m: None)
     mcfg = cfg.model_config(corpus.tokenizer.vocab_size)
     B, T, A = cfg.batch_size, cfg.seq_len, cfg.grad_accum
-    print(f"budget {args.budget:.0f}s each, preset {args.preset}: dim {mcfg.dim}, {mcfg.n_layers} layers, "
+    overrides = "".join(f" --set {item}" for item in args.set)
+    print(f"budget {args.budget:.0f}s each, preset {args.preset}{overrides}: dim {mcfg.dim}, {mcfg.n_layers} layers, "
           f"{mcfg.n_heads} heads, seq {T}, batch {B}x{A}, lr {cfg.lr:g}->{cfg.min_lr:g}, "
           f"warm-up {cfg.warmup_steps} steps then cosine over the time budget")
     print(f"  numpy {np.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
@@ -194,7 +214,7 @@ def main(argv=None) -> int:
     conns, procs = {}, []
     for name in ("npllama", "torch"):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(name, args.preset, args.eval_batches, args.budget, child))
+        proc = ctx.Process(target=worker, args=(name, args.preset, args.eval_batches, args.set, args.budget, child))
         proc.start()
         conns[name] = parent
         procs.append(proc)
@@ -210,7 +230,11 @@ def main(argv=None) -> int:
                 target = min(target + args.slice, mark)
                 for name, conn in conns.items():
                     conn.send(("until", target))
+                    before = progress[name][0]
                     progress[name] = conn.recv()
+                    if args.verbose:
+                        print(f"    {name}: clock {progress[name][1]:6.1f}s, {progress[name][0] - before} steps "
+                              "this slice", flush=True)
             for name, conn in conns.items():
                 conn.send(("eval", None))
                 curves[name].append((mark, conn.recv(), progress[name][0]))
