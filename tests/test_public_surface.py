@@ -26,7 +26,7 @@ def test_contract_walkthrough(tmp_path):
     opt.step(grads)
     new_ids = model.generate([1, 2, 3], max_new_tokens=4, temperature=0.0)
     assert isinstance(new_ids, np.ndarray) and new_ids.ndim == 1 and len(new_ids) == 4
-    npllama.save(model, tmp_path / "m.safetensors", format="meta")
+    npllama.save(model, tmp_path / "m.safetensors", format="meta", dtype="float64")   # float32 unless asked
     loaded = npllama.load(tmp_path / "m.safetensors", dtype=np.float64)
     assert loaded.config == model.config
     np.testing.assert_array_equal(loaded.forward(x), model.forward(x))
