@@ -15,7 +15,11 @@ vocabulary. The steps, in the order Hugging Face's logits processors apply them:
   5. min-p (Nguyen et al. 2024): keep tokens with p_i >= min_p * max_j p_j. The ratio
      p_i / p_max = exp(z_i - z_max) does not depend on renormalisation, so it is computed on z.
   6. draw one token from p restricted to the kept set (renormalised), by inverse CDF with one
-     uniform number per row.
+     uniform number per row, over the kept tokens in descending order of probability.
+
+filtered_probs composes the three masks as written above (the definition, and what the tests
+check against per-token loops); candidate_probs computes the same distribution from one sort
+of a few candidates, and is what sampling uses.
 
 Randomness comes only from the np.random.Generator passed in (or one per row), so a seed makes
 every sample reproducible.
@@ -107,7 +111,8 @@ def min_p_mask(z: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def filtered_probs(logits: np.ndarray, temperature: float, top_k=None, top_p=None, min_p=None) -> np.ndarray:
-    """Steps 2-5 for temperature > 0: the renormalised distribution the sample is drawn from.
+    """Steps 2-5 for temperature > 0: the renormalised distribution the sample is drawn from
+    (by definition; sample_next computes it with candidate_probs).
 
     logits (B, V) -> probs (B, V) float64, zero outside the kept set, rows summing to 1.
     """
@@ -125,6 +130,50 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k=None, top_p=Non
     return softmax(np.where(keep, z, -np.inf))
 
 
+def candidate_probs(logits: np.ndarray, temperature: float, top_k=None, top_p=None, min_p=None):
+    """filtered_probs computed the fast way: over a few candidate ids per row, from one sort.
+
+    Returns probs (B, m) and ids (B, m) int64: filtered_probs(...)[b, ids[b, j]] == probs[b, j],
+    and filtered_probs is 0 off ids[b]. With top_k, the candidates are each row's m highest
+    logits (m = k, or the largest kept count when the k-th value is tied), found by
+    np.argpartition in O(V); nothing of size V is sorted (V is 32000 for Llama 2). Only top-p
+    sorts, and only the candidates. With e = exp(z - z_max) = p / p_max: top-k keeps z >= the
+    k-th value, top-p keeps a token when the e-mass strictly above it (read at the first member
+    of its tie group) is < top_p * sum(e over the top-k survivors), min-p keeps e >= min_p.
+    """
+    z = np.asarray(logits, dtype=np.float64)
+    z = (z - z.max(axis=-1, keepdims=True)) / temperature             # row max 0 (see filtered_probs)
+    B, V = z.shape
+    rows = np.arange(B)[:, None]
+    ids = np.broadcast_to(np.arange(V), (B, V))
+    kth = None
+    if top_k is not None and top_k < V:
+        top = np.argpartition(-z, top_k - 1, axis=-1)                  # (B, V), k largest first
+        kth = z[rows, top[:, top_k - 1:top_k]]                         # (B, 1) the k-th largest value
+        m = int((z >= kth).sum(axis=-1).max())                         # > k only with ties at the k-th
+        if m < V:
+            ids = top[:, :top_k] if m == top_k else np.argpartition(-z, m - 1, axis=-1)[:, :m]
+            z = z[rows, ids]                                           # (B, V) -> (B, m)
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-z, axis=-1, kind="stable")                # top-p needs them sorted
+        z, ids = z[rows, order], ids[rows, order]                      # descending; z[:, 0] = 0
+    e = np.exp(z)                                                      # p / p_max
+    keep = np.ones(z.shape, dtype=bool) if kth is None else z >= kth
+    if top_p is not None and top_p < 1.0:
+        e_k = np.where(keep, e, 0.0)
+        mass = np.cumsum(e_k, axis=-1)
+        starts = np.ones(z.shape, dtype=bool)                          # first member of a tie group
+        np.not_equal(e_k[:, 1:], e_k[:, :-1], out=starts[:, 1:])
+        first = np.maximum.accumulate(np.where(starts, np.arange(z.shape[1]), 0), axis=-1)
+        above = np.take_along_axis(mass - e_k, first, axis=-1)        # mass strictly more probable
+        keep &= above < top_p * mass[:, -1:]
+    if min_p is not None and min_p > 0.0:
+        keep &= e >= min_p
+    probs = np.where(keep, e, 0.0)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return probs, ids
+
+
 def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, min_p: float | None = None,
                 repetition_penalty: float | None = None, seen: np.ndarray | None = None,
@@ -132,7 +181,8 @@ def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None 
     """The next token of each row. logits (B, V) -> ids (B,) int64.
 
     temperature 0 is greedy (argmax, first index on ties; no randomness used). Otherwise the
-    token is drawn from filtered_probs(...) with one uniform number per row, taken from `rng`
+    token is drawn from filtered_probs(...) (computed by candidate_probs) with one uniform
+    number per row, taken from `rng`
     (a Generator shared by the rows, in row order) or from rng[b] for row b when a sequence of
     B Generators is given (so a row's samples do not depend on the other rows).
     seen: (B, V) bool, the tokens the repetition penalty applies to (prompt and output so far).
@@ -173,8 +223,9 @@ def choose_next(logits, temperature, top_k, top_p, min_p, repetition_penalty, se
         u = rng.random(B)
     else:
         u = np.array([g.random() for g in rng])
-    probs = filtered_probs(logits, temperature, top_k, top_p, min_p)
+    probs, ids = candidate_probs(logits, temperature, top_k, top_p, min_p)
     cdf = np.cumsum(probs, axis=-1)
     # First index whose cdf exceeds u * total: never a zero-probability token, since its cdf
     # equals its predecessor's; and one exists because u < 1.
-    return np.argmax(cdf > (u * cdf[:, -1])[:, None], axis=-1).astype(np.int64)
+    j = np.argmax(cdf > (u * cdf[:, -1])[:, None], axis=-1)
+    return ids[np.arange(B), j].astype(np.int64)

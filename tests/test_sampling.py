@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, strategies as st
 
-from npllama.sampling import (apply_repetition_penalty, filtered_probs, min_p_mask, sample_next,
-                              softmax, top_k_mask, top_p_mask)
+from npllama.sampling import (apply_repetition_penalty, candidate_probs, filtered_probs, min_p_mask,
+                              sample_next, softmax, top_k_mask, top_p_mask)
 
 
 @st.composite
@@ -103,6 +103,13 @@ def test_filters_compose_in_order_and_renormalise(z, temperature, k, p, min_p):
         assert math.isclose(out.sum(), 1.0, rel_tol=1e-12)
         expected = naive_softmax([x if kk else -math.inf for x, kk in zip(row, kept)])
         np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-300)
+    # the fast path sampling uses: the same distribution over its candidates, zero elsewhere
+    cand, ids = candidate_probs(z, temperature, top_k=k, top_p=p, min_p=min_p)
+    scattered = np.zeros_like(probs)
+    np.put_along_axis(scattered, ids, cand, axis=-1)
+    assert ((scattered > 0) == (probs > 0)).all()
+    np.testing.assert_allclose(scattered, probs, rtol=1e-12, atol=1e-300)
+    assert all(len(set(row)) == len(row) for row in ids.tolist())   # each candidate once
 
 
 @given(z=logits_batches(), seed=st.integers(0, 2**32 - 1))
