@@ -143,10 +143,9 @@ def block_forward(x, w: LayerWeights, cos, sin, *, n_heads, n_kv_heads, eps, kv=
     # attention sub-block: h = x + wo(attention(rope(q), rope(k), v))
     xn, c_attention_norm = rmsnorm_forward(x, w.attention_norm, eps)
     qkv, c_wqkv = linear_forward(xn, np.concatenate((w.wq, w.wk, w.wv)))    # (B, T, (H + 2 KVH) Dh)
-    q, k, v = np.split(qkv, [H * Dh, (H + KVH) * Dh], axis=-1)
-    q = q.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)            # (B, T, H*Dh) -> (B, H, T, Dh)
-    k = k.reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)          # (B, T, KVH*Dh) -> (B, KVH, T, Dh)
-    v = v.reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)          # (B, T, KVH*Dh) -> (B, KVH, T, Dh)
+    q = qkv[..., :H * Dh].reshape(B, T, H, Dh).transpose(0, 2, 1, 3)                 # -> (B, H, T, Dh)
+    k = qkv[..., H * Dh:(H + KVH) * Dh].reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)  # -> (B, KVH, T, Dh)
+    v = qkv[..., (H + KVH) * Dh:].reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)        # -> (B, KVH, T, Dh)
     q, c_rope_q = rope_forward(q, cos, sin)
     k, c_rope_k = rope_forward(k, cos, sin)
     if kv is not None:
@@ -181,7 +180,8 @@ def block_backward(dout, cache: BlockCache):
     dg, dw2 = linear_backward(dout, cache.w2)
     dab = swiglu_backward(dg, cache.swiglu)                     # (B, T, 2F): [dgate | dup]
     dhn, dw13 = linear_backward(dab, cache.w13)                  # sums the w1 and w3 branches
-    dw1, dw3 = np.split(dw13, 2)
+    F = dw13.shape[0] // 2
+    dw1, dw3 = dw13[:F], dw13[F:]
     dh_branch, dffn_norm = rmsnorm_backward(dhn, cache.ffn_norm)
     dh = dout + dh_branch                                        # residual: skip + branch
     # undo h = x + o
@@ -196,7 +196,7 @@ def block_backward(dout, cache: BlockCache):
     dqkv[..., H * Dh:(H + KVH) * Dh].reshape(B, T, KVH, Dh)[...] = dk.transpose(0, 2, 1, 3)
     dqkv[..., (H + KVH) * Dh:].reshape(B, T, KVH, Dh)[...] = dv.transpose(0, 2, 1, 3)
     dxn, dwqkv = linear_backward(dqkv, cache.wqkv)              # sums the q, k and v branches
-    dwq, dwk, dwv = np.split(dwqkv, [H * Dh, (H + KVH) * Dh])
+    dwq, dwk, dwv = dwqkv[:H * Dh], dwqkv[H * Dh:(H + KVH) * Dh], dwqkv[(H + KVH) * Dh:]
     dx_branch, dattention_norm = rmsnorm_backward(dxn, cache.attention_norm)
     dx = dh + dx_branch                                          # residual: skip + branch
     return dx, LayerWeights(dattention_norm, dwq, dwk, dwv, dwo, dffn_norm, dw1, dw2, dw3)

@@ -58,12 +58,14 @@ def attention_forward(q, k, v, mask=None):
     with blas_threads(1):
         scores = q_scaled @ k.swapaxes(-1, -2)                   # -> (B, KVH, R*T, S)
     # 2. mask the future with -inf (an additive bias: one pass, and exp(-inf) is exactly 0).
-    allowed = causal_mask(T, S) if mask is None else np.broadcast_to(mask, (B, T, S))
-    bias = np.where(allowed, 0.0, -np.inf).astype(scores.dtype)
-    if bias.ndim == 2:
-        scores += np.tile(bias, (R, 1))                          # (T, S) -> (R*T, S)
-    else:
-        scores += np.tile(bias[:, None], (1, 1, R, 1))           # (B, T, S) -> (B, 1, R*T, S)
+    #    A single query (decoding) is the newest position: every key is in its past.
+    if mask is not None or T > 1:
+        allowed = causal_mask(T, S) if mask is None else np.broadcast_to(mask, (B, T, S))
+        bias = np.where(allowed, 0.0, -np.inf).astype(scores.dtype)
+        if bias.ndim == 2:
+            scores += np.tile(bias, (R, 1))                      # (T, S) -> (R*T, S)
+        else:
+            scores += np.tile(bias[:, None], (1, 1, R, 1))       # (B, T, S) -> (B, 1, R*T, S)
     # 3. softmax over keys, shifted by the row max (every row keeps its diagonal, so max is finite).
     scores -= scores.max(axis=-1, keepdims=True)
     att = np.exp(scores, out=scores)

@@ -18,7 +18,7 @@ class RMSNormCache(NamedTuple):
 
 
 def _compute_dtype(dtype):
-    return np.result_type(dtype, np.float32)
+    return dtype if dtype in (np.float32, np.float64) else np.result_type(dtype, np.float32)
 
 
 def rmsnorm_forward(x, weight, eps):
@@ -29,7 +29,8 @@ def rmsnorm_forward(x, weight, eps):
              rather than cached: one multiply saves a whole (..., D) array of memory.
     """
     xc = x.astype(_compute_dtype(x.dtype), copy=False)
-    rstd = 1.0 / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + eps)   # (..., D) -> (..., 1)
+    D = x.shape[-1]
+    rstd = 1.0 / np.sqrt(np.add.reduce(xc * xc, axis=-1, keepdims=True) / D + eps)   # (..., D) -> (..., 1)
     y = (xc * rstd).astype(x.dtype, copy=False) * weight
     return y, RMSNormCache(xc, weight, rstd)
 
@@ -46,5 +47,5 @@ def rmsnorm_backward(dy, cache):
     n = x * rstd
     dweight = (dy * n).reshape(-1, n.shape[-1]).sum(axis=0)
     g = dy * weight
-    dx = rstd * (g - n * np.mean(g * n, axis=-1, keepdims=True))
+    dx = rstd * (g - n * (np.add.reduce(g * n, axis=-1, keepdims=True) / n.shape[-1]))
     return dx.astype(dy.dtype, copy=False), dweight.astype(weight.dtype, copy=False)

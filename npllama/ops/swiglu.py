@@ -35,7 +35,8 @@ def swiglu_forward(ab):
     Returns: y (..., F), cache (b, sigmoid(a), silu(a)). Caching s and silu(a) rather than a costs
              one more (..., F) array and saves recomputing an exp and two products in backward.
     """
-    a, b = np.split(ab, 2, axis=-1)                             # (..., 2F) -> 2 x (..., F)
+    F = ab.shape[-1] // 2
+    a, b = ab[..., :F], ab[..., F:]                             # (..., 2F) -> 2 x (..., F)
     s = _sigmoid(a)
     silu = a * s
     return silu * b, SwiGLUCache(b, s, silu)
