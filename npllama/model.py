@@ -404,11 +404,22 @@ class Llama:
         return loss, {name: grads[name] for name in self.params}
 
     def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
-                 seed=None, stop_ids=None, **options):
-        """New token ids after prompt_ids (1-D), sampled with a KV cache; see npllama.generate.generate."""
+                 seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False):
+        """New token ids after prompt_ids (1-D), sampled with a KV cache: npllama.generate.generate."""
         from .generate import generate
         return generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids, **options)
+                        top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids, min_p=min_p,
+                        repetition_penalty=repetition_penalty, sliding_window=sliding_window)
+
+    def generate_stream(self, prompt_ids, max_new_tokens=32, **sampling):
+        """The ids of generate(), yielded one at a time as they are sampled: npllama.generate.generate_stream."""
+        from .generate import generate_stream
+        return generate_stream(self, prompt_ids, max_new_tokens=max_new_tokens, **sampling)
+
+    def generate_batch(self, prompts, max_new_tokens=32, **sampling):
+        """generate() for several prompts of any lengths at once: npllama.generate.generate_batch."""
+        from .generate import generate_batch
+        return generate_batch(self, prompts, max_new_tokens=max_new_tokens, **sampling)
 
     def n_params(self) -> int:
         return sum(p.size for p in self.params.values())

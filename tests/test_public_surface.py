@@ -30,3 +30,15 @@ def test_contract_walkthrough(tmp_path):
     loaded = npllama.load(tmp_path / "m.safetensors", dtype=np.float64)
     assert loaded.config == model.config
     np.testing.assert_array_equal(loaded.forward(x), model.forward(x))
+
+
+def test_model_generate_methods_agree():
+    cfg = npllama.LlamaConfig(dim=16, n_layers=1, n_heads=2, vocab_size=11, multiple_of=8, max_seq_len=32)
+    model = npllama.Llama(cfg, seed=3)
+    ids = model.generate([1, 2, 3], max_new_tokens=6, temperature=0.7, top_k=5, min_p=0.01,
+                         repetition_penalty=1.1, seed=4)
+    assert list(model.generate_stream([1, 2, 3], max_new_tokens=6, temperature=0.7, top_k=5, min_p=0.01,
+                                      repetition_penalty=1.1, seed=4)) == ids.tolist()
+    batch = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=6, temperature=0.0)
+    assert batch[0].tolist() == model.generate([1, 2, 3], max_new_tokens=6).tolist()
+    assert batch[1].tolist() == model.generate([4], max_new_tokens=6).tolist()
