@@ -5,6 +5,10 @@ two configurations of issue 2, and prints tokens/s for both and their ratio (npl
 
     python tools/bench_train.py                 # both configs, 2 warm-up + 5 timed steps each
     python tools/bench_train.py --steps 10 --config small
+    python tools/bench_train.py --threads 1       # both sides on one core
+
+Run it on an otherwise idle machine: with the cores shared, multi-threaded BLAS and OpenMP
+(torch) lose far more than their share, and the ratio measures the contention, not the code.
 
 Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU):
     config  small: dim 128, 4 layers, 4 heads, 4 kv heads, seq 128, batch 32, vocab 65 (0.8M params)
@@ -23,6 +27,7 @@ import time
 import numpy as np
 
 import npllama
+from npllama.blas import get_blas_threads, set_blas_threads
 
 CONFIGS = {
     "small": (dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=65, max_seq_len=128), 32, 128),
@@ -41,12 +46,16 @@ def best_time(fn, steps, warmup):
     return float(np.median(times))
 
 
-def bench_numpy(cfg, B, T, steps, warmup):
+def bench_numpy(cfg, B, T, steps, warmup, threads):
     model = npllama.Llama(cfg, seed=0)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     targets = rng.integers(0, cfg.vocab_size, (B, T))
-    fwd_bwd = best_time(lambda: model.loss_and_grads(tokens, targets), steps, warmup)
+    # threads=None: npllama's defaults (one batch shard per core, each with one BLAS thread).
+    # threads=n: n shards, and n BLAS threads for whatever runs outside them.
+    if threads is not None:
+        set_blas_threads(threads)
+    fwd_bwd = best_time(lambda: model.loss_and_grads(tokens, targets, workers=threads), steps, warmup)
     opt_time = None
     if hasattr(npllama, "AdamW"):
         _, grads = model.loss_and_grads(tokens, targets)
@@ -80,13 +89,20 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-torch", action="store_true", help="time npllama only")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for both sides (torch.set_num_threads; npllama shards and BLAS threads); "
+                             "default: each library's own default")
     args = parser.parse_args(argv)
     try:
         import torch
         torch_version = None if args.no_torch else torch.__version__
     except ImportError:
         torch_version = None
-    print(f"numpy {np.__version__}, torch {torch_version or 'not used'}, {os.cpu_count()} cores"
+    if torch_version and args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"numpy {np.__version__}, torch {torch_version or 'not used'}, {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.2f}, npllama shards {args.threads or 'default'} "
+          f"(BLAS threads {args.threads or get_blas_threads()})"
           + (f", torch threads {torch.get_num_threads()}" if torch_version else ""))
     names = ["small", "medium"] if args.config == "both" else [args.config]
     for name in names:
@@ -94,7 +110,7 @@ def main(argv=None):
         cfg = npllama.LlamaConfig(**kw)
         print(f"config {name}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, "
               f"seq {T}, batch {B}, vocab {cfg.vocab_size} ({cfg.n_params() / 1e6:.2f}M params)")
-        model, tokens, targets, np_t, np_opt = bench_numpy(cfg, B, T, args.steps, args.warmup)
+        model, tokens, targets, np_t, np_opt = bench_numpy(cfg, B, T, args.steps, args.warmup, args.threads)
         tokens_per_step = B * T
         print(f"  npllama  fwd+bwd {np_t * 1e3:8.1f} ms  {tokens_per_step / np_t:9.0f} tokens/s"
               + (f"   AdamW step {np_opt * 1e3:6.1f} ms" if np_opt is not None else ""))
