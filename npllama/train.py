@@ -494,7 +494,7 @@ class _StopFlag:
             signal.signal(signal.SIGINT, self._old)
 
 
-def _calibrate_steps(model, optimizer, corpus, cfg, budget_left, log) -> int:
+def _calibrate_steps(model, corpus, cfg, budget_left, log) -> int:
     """How many steps fit in budget_left seconds, eval and sample time included.
 
     Times two gradient computations (after one warm-up) and one forward without touching
@@ -589,7 +589,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     if cfg.max_steps == 0:
         budget_left = cfg.time_budget - (time.perf_counter() - run_start)
-        cfg = cfg.replace(max_steps=start_step + _calibrate_steps(model, optimizer, corpus, cfg, budget_left, log))
+        cfg = cfg.replace(max_steps=start_step + _calibrate_steps(model, corpus, cfg, budget_left, log))
     if cfg.decay_steps == 0:
         cfg = cfg.replace(decay_steps=cfg.max_steps)
     n_kv = mcfg.n_kv_heads
