@@ -17,7 +17,8 @@ import dataclasses
 import math
 from pathlib import Path
 
-from .train import PRESETS, STRUCTURAL_FIELDS, TrainConfig, parse_duration, preset, train
+from .train import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INTS, PRESETS, STRUCTURAL_FIELDS, TrainConfig,
+                    parse_duration, preset, train)
 
 
 def _positive_or_zero_int(text: str) -> int:
@@ -58,27 +59,58 @@ def _parse_type(f: dataclasses.Field):
     return str
 
 
+def _range(f: dataclasses.Field) -> str:
+    """The type and range of a field, as validate() enforces them."""
+    if f.name in POSITIVE_INTS:
+        return "int >= 1"
+    if f.name in NON_NEGATIVE_INTS:
+        return "int >= 0"
+    if f.name == "time_budget":
+        return "seconds, or 90s / 5m / 1h"
+    if f.name in ("beta1", "beta2"):
+        return "float in [0, 1)"
+    if f.name == "train_fraction":
+        return "float in (0, 1)"
+    if f.name == "lr":
+        return "float > 0"
+    if f.name in NON_NEGATIVE_FLOATS:
+        return "float >= 0"
+    return ""
+
+
+def _metavar(f: dataclasses.Field) -> str | None:
+    if f.metadata.get("choices"):
+        return None
+    if f.name in ("data", "out_dir", "export"):
+        return "PATH"
+    if f.name == "time_budget":
+        return "TIME"
+    return "N" if f.name in POSITIVE_INTS + NON_NEGATIVE_INTS else "X"
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     default = preset("shakespeare-char")
     p = subparsers.add_parser(
         "train", help="train a LLaMA on TinyShakespeare (or any text) on the CPU",
-        description="Train a LLaMA-2 model on a CPU with AdamW. Defaults are the chosen --preset's; "
-                    "flags given here override it. Writes OUT_DIR/ckpt.safetensors (model, optimizer, "
-                    "tokenizer: `npllama generate --model` reads it), metrics.jsonl and loss.png.",
+        description="Train a LLaMA-2 model on a CPU with AdamW. Defaults are the chosen --preset's "
+                    "(shown below for shakespeare-char); flags given here override it. Writes "
+                    "OUT_DIR/ckpt.safetensors (model, optimizer state, tokenizer: `npllama generate "
+                    "--model` reads it), metrics.jsonl and loss.png. --resume continues a run exactly.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="shakespeare-char",
                    help="starting settings: " + "; ".join(
-                       f"{name}: {fn.__doc__.strip().splitlines()[0]}" for name, fn in PRESETS.items()))
+                       f"{name}: {fn.__doc__.strip().splitlines()[0].rstrip('.')}" for name, fn in PRESETS.items()))
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata["help"] + f" [{default.__dict__[f.name]!r} in shakespeare-char]"
+        value = getattr(default, f.name)
+        kind = _range(f)
+        help_text = f.metadata["help"] + f" ({kind + '; ' if kind else ''}default {value!r})"
         help_text = help_text.replace("%", "%%")
         if f.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
             p.add_argument(flag, type=_parse_type(f), default=argparse.SUPPRESS, help=help_text,
-                           choices=f.metadata.get("choices"), metavar=None if f.metadata.get("choices") else
-                           f.name.upper())
+                           choices=f.metadata.get("choices"), metavar=_metavar(f))
     p.set_defaults(func=run)
     return p
 

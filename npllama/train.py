@@ -132,15 +132,13 @@ class TrainConfig:
             return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) \
                 and math.isfinite(v)
 
-        for name in ("dim", "n_layers", "n_heads", "multiple_of", "seq_len", "batch_size", "grad_accum",
-                     "eval_interval", "eval_batches", "log_interval"):
+        for name in POSITIVE_INTS:
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 bad(name, "must be a positive integer")
-        for name in ("vocab_size", "n_kv_heads", "max_seq_len", "warmup_steps", "decay_steps", "max_steps",
-                     "sample_tokens", "seed"):
+        for name in NON_NEGATIVE_INTS:
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, "must be a non-negative integer")
-        for name in ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "time_budget"):
+        for name in NON_NEGATIVE_FLOATS:
             if not is_num(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, "must be a finite number >= 0")
         if self.lr <= 0:
@@ -173,6 +171,13 @@ class TrainConfig:
                            multiple_of=self.multiple_of, max_seq_len=self.max_seq_len or self.seq_len,
                            tie_embeddings=self.tie_embeddings)
 
+
+# The ranges validate() enforces (cli_train prints them in --help).
+POSITIVE_INTS = ("dim", "n_layers", "n_heads", "multiple_of", "seq_len", "batch_size", "grad_accum",
+                 "eval_interval", "eval_batches", "log_interval")
+NON_NEGATIVE_INTS = ("vocab_size", "n_kv_heads", "max_seq_len", "warmup_steps", "decay_steps", "max_steps",
+                     "sample_tokens", "seed")
+NON_NEGATIVE_FLOATS = ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "time_budget")
 
 # Fields that fix the model, the tokenizer or the data; a resumed run cannot change them.
 STRUCTURAL_FIELDS = ("data", "tokenizer", "vocab_size", "train_fraction", "dim", "n_layers", "n_heads",
