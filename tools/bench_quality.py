@@ -18,13 +18,17 @@ of the budget, the same windows on both sides) are off the clock.
     python tools/bench_quality.py                    # 5 minutes each side (about 11 minutes in all)
     python tools/bench_quality.py --budget 60 --preset tiny
 
-Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU, shared machine):
-    budget 300s each, preset shakespeare-char: dim 128, 4 layers, ...
-      time     npllama val   torch val
-      60s         ...          ...
-      ...
-      300s        ...          ...
-    npllama: N steps (... tok/s), torch: M steps (... tok/s)
+Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU, shared machine; per-slice lines cut):
+    budget 300s each, preset shakespeare-char: dim 128, 4 layers, 4 heads, seq 64, batch 16x1, ...
+      time   npllama val   torch val  npllama steps  torch steps
+       60s        1.8175      1.8164           1111         1126
+      120s        1.6972      1.6919           2233         2286
+      180s        1.6271      1.6254           3349         3440
+      240s        1.5960      1.5925           4502         4639
+      300s        1.5719      1.5781           5651         5806
+    npllama: 5651 steps in 300.0s of training, 19,286 tok/s
+    torch: 5806 steps in 300.0s of training, 19,816 tok/s
+    final val loss: npllama 1.5719, torch 1.5781 (npllama lower)
 Exit code 0 when npllama's final validation loss is the lower, 1 otherwise.
 """
 
