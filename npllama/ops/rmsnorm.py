@@ -30,8 +30,11 @@ def rmsnorm_forward(x, weight, eps):
     """
     xc = x.astype(_compute_dtype(x.dtype), copy=False)
     D = x.shape[-1]
-    rstd = 1.0 / np.sqrt(np.add.reduce(xc * xc, axis=-1, keepdims=True) / D + eps)   # (..., D) -> (..., 1)
-    y = (xc * rstd).astype(x.dtype, copy=False) * weight
+    # einsum forms each row's sum of squares in one pass, without an (..., D) temporary.
+    sum_sq = np.einsum("...d,...d->...", xc, xc)[..., None]                      # (..., D) -> (..., 1)
+    rstd = 1.0 / np.sqrt(sum_sq / D + eps)
+    y = (xc * rstd).astype(x.dtype, copy=False)
+    y *= weight
     return y, RMSNormCache(xc, weight, rstd)
 
 
@@ -44,8 +47,13 @@ def rmsnorm_backward(dy, cache):
     Shapes: dy (..., D) -> dx (..., D), dweight (D,)
     """
     x, weight, rstd = cache
+    D = x.shape[-1]
     n = x * rstd
-    dweight = (dy * n).reshape(-1, n.shape[-1]).sum(axis=0)
+    dweight = np.einsum("nd,nd->d", dy.reshape(-1, D), n.reshape(-1, D))
     g = dy * weight
-    dx = rstd * (g - n * (np.add.reduce(g * n, axis=-1, keepdims=True) / n.shape[-1]))
-    return dx.astype(dy.dtype, copy=False), dweight.astype(weight.dtype, copy=False)
+    mean_gn = np.einsum("...d,...d->...", g, n)[..., None] / D                   # (..., D) -> (..., 1)
+    # dx = r * (g - n * mean(g * n)), in place on the two temporaries
+    n *= mean_gn
+    g -= n
+    g *= rstd
+    return g.astype(dy.dtype, copy=False), dweight.astype(weight.dtype, copy=False)
