@@ -92,6 +92,32 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     return _EXECUTORS[workers]
 
 
+def _check_workers(workers) -> int:
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be a positive integer")
+    return int(workers)
+
+
+# Activations per layer (rows * T * D) in one shard: small enough that a shard's element-wise
+# temporaries stay in a core's cache (measured: 5-10% faster per token than whole batches).
+_SHARD_ACTIVATIONS = 1 << 17
+
+
+def _run_sharded(fn, workers: int, dim: int, *row_arrays):
+    """[fn(*shard) for contiguous shards of the arrays' rows], run on `workers` threads, in order.
+
+    NumPy releases the GIL inside ufuncs and BLAS calls, so the shards run in parallel; each gets
+    one BLAS thread, so the threads do not fight over the cores. There are at least `workers`
+    shards, and more when rows are large, so that a shard holds about _SHARD_ACTIVATIONS.
+    """
+    B, T = row_arrays[0].shape[:2]
+    n_shards = min(B, max(workers, -(-B * T * dim // _SHARD_ACTIVATIONS)))
+    shards = np.array_split(np.arange(B), n_shards)
+    with blas_threads(1):
+        futures = [_executor(workers).submit(fn, *(a[rows] for a in row_arrays)) for rows in shards]
+        return [f.result() for f in futures]
+
+
 class TokenError(ValueError):
     """Token or target ids that the model cannot take."""
 
@@ -313,7 +339,7 @@ class Llama:
         cfg = self.config
         return KVCache(cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, self.dtype)
 
-    def forward(self, tokens, kv_cache: KVCache | None = None, start_pos: int = 0, mask=None):
+    def forward(self, tokens, kv_cache: KVCache | None = None, start_pos: int = 0, mask=None, workers=None):
         """Logits of every position.
 
         tokens: (B, T) ints (a 1-D sequence is taken as B = 1 and gives (T, V)).
@@ -322,6 +348,7 @@ class Llama:
             0 .. start_pos + T - 1 of it. Without a cache, start_pos must be 0.
         mask: optional booleans (B, T, start_pos + T), True where a query may attend a key
             (left-padded batches); None is causal.
+        workers: threads sharing the batch rows, as in loss_and_grads (without a cache or mask only).
         Returns: logits (B, T, V) in the model's dtype.
         """
         one_dim = np.ndim(tokens) == 1
@@ -337,7 +364,15 @@ class Llama:
             if start_pos > kv_cache.length:
                 raise ValueError(f"start_pos={start_pos} skips positions: the kv_cache holds only "
                                  f"{kv_cache.length}")
-        logits, _ = self._forward(tokens, kv_cache, int(start_pos), mask)
+        if kv_cache is None and mask is None:
+            workers = default_workers(*tokens.shape, self.config.dim) if workers is None else _check_workers(workers)
+            workers = min(workers, tokens.shape[0])
+        else:
+            workers = 1
+        if workers > 1:
+            logits = np.concatenate(_run_sharded(lambda x: self._forward(x)[0], workers, self.config.dim, tokens))
+        else:
+            logits, _ = self._forward(tokens, kv_cache, int(start_pos), mask)
         if kv_cache is not None:
             kv_cache.length = int(start_pos) + tokens.shape[1]
         return logits[0] if one_dim else logits
@@ -361,18 +396,12 @@ class Llama:
         n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
         if n_valid == 0:
             raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
-        workers = default_workers(*tokens.shape, self.config.dim) if workers is None else workers
-        if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
-            raise ValueError(f"workers={workers!r} must be a positive integer")
-        workers = min(int(workers), tokens.shape[0])
+        workers = default_workers(*tokens.shape, self.config.dim) if workers is None else _check_workers(workers)
+        workers = min(workers, tokens.shape[0])
         if workers == 1:
             return self._loss_and_grads(tokens, targets, n_valid)
-        shards = np.array_split(np.arange(tokens.shape[0]), workers)
-        # Each thread's GEMMs are one shard's: one BLAS thread each keeps the cores to the shards.
-        with blas_threads(1):
-            futures = [_executor(workers).submit(self._loss_and_grads, tokens[rows], targets[rows], n_valid)
-                       for rows in shards]
-            results = [f.result() for f in futures]
+        results = _run_sharded(lambda x, y: self._loss_and_grads(x, y, n_valid), workers, self.config.dim,
+                               tokens, targets)
         loss, grads = results[0]
         for shard_loss, shard_grads in results[1:]:         # the batch's gradient is the shards' sum
             loss += shard_loss

@@ -102,3 +102,13 @@ def test_workers_must_be_positive(tiny_config):
     model = npllama.Llama(tiny_config)
     with pytest.raises(ValueError, match="workers=0"):
         model.loss_and_grads([[1, 2]], [[2, 3]], workers=0)
+
+
+def test_sharded_forward_equals_one_pass(tiny_config):
+    model = npllama.Llama(tiny_config, seed=4, dtype=np.float64)
+    tokens = np.random.default_rng(4).integers(0, tiny_config.vocab_size, (5, 9))
+    one = model.forward(tokens, workers=1)
+    for workers in (2, 3, 7):
+        np.testing.assert_allclose(model.forward(tokens, workers=workers), one, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="workers=-1"):
+        model.forward(tokens, workers=-1)
