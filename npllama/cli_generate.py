@@ -14,7 +14,6 @@ not printed). The prompt is echoed, then the new text; tokens/s goes to stderr a
 from __future__ import annotations
 
 import argparse
-import math
 import secrets
 import sys
 import time
@@ -22,24 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli_args import number
+
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "weights" / "shakespeare-char.safetensors"
 DEFAULT_MAX_NEW_TOKENS = 256
-
-
-def _number(kind, low=None, high=None, low_open=False):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} must be finite")
-        if low is not None and (value <= low if low_open else value < low):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low}")
-        if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"{text} must be <= {high}")
-        return value
-    return parse
 
 
 def _ids(text):
@@ -80,19 +65,19 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="text to continue [default: none: start from BOS (sentencepiece) or a newline (characters)]")
     p.add_argument("--prompt-ids", type=_ids, default=argparse.SUPPRESS, metavar="ID,ID,...",
                    help="the prompt as token ids instead of text (needed when the model has no tokenizer)")
-    p.add_argument("-n", "--max-new-tokens", "--n-predict", type=_number(int, 0), default=argparse.SUPPRESS, metavar="N",
+    p.add_argument("-n", "--max-new-tokens", "--n-predict", type=number(int, 0), default=argparse.SUPPRESS, metavar="N",
                    help=f"new tokens at most [default: {DEFAULT_MAX_NEW_TOKENS}, or fewer if the context ends sooner]")
-    p.add_argument("--temp", "--temperature", dest="temperature", type=_number(float, 0.0), default=0.8,
+    p.add_argument("--temp", "--temperature", dest="temperature", type=number(float, 0.0), default=0.8,
                    metavar="T", help="sampling temperature, >= 0; 0 is greedy (argmax)")
-    p.add_argument("--top-k", type=_number(int, 0), default=40, metavar="K",
+    p.add_argument("--top-k", type=number(int, 0), default=40, metavar="K",
                    help="keep the K most likely tokens (ties at the K-th kept); 0 = off")
-    p.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), default=0.95, metavar="P",
+    p.add_argument("--top-p", type=number(float, 0.0, 1.0, low_open=True), default=0.95, metavar="P",
                    help="nucleus: keep the smallest set of most likely tokens whose mass reaches P, in (0, 1]; 1 = off")
-    p.add_argument("--min-p", type=_number(float, 0.0, 1.0), default=0.05, metavar="P",
+    p.add_argument("--min-p", type=number(float, 0.0, 1.0), default=0.05, metavar="P",
                    help="keep tokens at least P times as likely as the most likely one, in [0, 1]; 0 = off")
-    p.add_argument("--repeat-penalty", type=_number(float, 0.0, low_open=True), default=1.0, metavar="R",
+    p.add_argument("--repeat-penalty", type=number(float, 0.0, low_open=True), default=1.0, metavar="R",
                    help="CTRL penalty on tokens already in the prompt or output (> 1 discourages repeats); 1 = off")
-    p.add_argument("-s", "--seed", type=_number(int, 0), default=argparse.SUPPRESS,
+    p.add_argument("-s", "--seed", type=number(int, 0), default=argparse.SUPPRESS,
                    help="random seed; the same seed and flags give the same text [default: a fresh one, printed]")
     p.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="SPM_FILE",
                    help="a sentencepiece .model file to use instead of the tokenizer in the checkpoint "

@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from . import ops
+from .cli_args import number
 from .config import LlamaConfig
 from .gradcheck import gradcheck, numerical_grad, rel_error
 from .model import Llama
@@ -64,7 +65,7 @@ def run(args) -> int:
           f"forward + backward {1e3 * (time.perf_counter() - t0):.1f} ms")
 
     worst = 0.0
-    print(f"\n2. each op: analytic gradient vs central differences of sum(op(x) * dy), h = 1e-6")
+    print("\n2. each op: analytic gradient vs central differences of sum(op(x) * dy), h = 1e-6")
     for name, forward, backward, inputs in op_checks(rng, B, T, H, KVH, args.head_dim, cfg.hidden_dim, cfg.vocab_size):
         if name == "cross-entropy":
             z = inputs[0]
@@ -88,25 +89,18 @@ def run(args) -> int:
     return 0 if ok else 1
 
 
-def _positive(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
-    return value
-
-
 def register(subparsers):
     p = subparsers.add_parser(
         "gradcheck", help="watch a forward pass and every gradient checked numerically",
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--n-layers", type=_positive, default=2, help="transformer blocks (>= 1)")
-    p.add_argument("--n-heads", type=_positive, default=4, help="query heads (>= 1)")
-    p.add_argument("--n-kv-heads", type=_positive, default=2, help="key/value heads, dividing --n-heads")
-    p.add_argument("--head-dim", type=_positive, default=4, help="features per head (even)")
-    p.add_argument("--vocab-size", type=_positive, default=13, help="vocabulary size (>= 1)")
-    p.add_argument("--batch-size", type=_positive, default=2, help="sequences (>= 1)")
-    p.add_argument("--seq-len", type=_positive, default=6, help="positions per sequence (>= 1)")
-    p.add_argument("--entries", type=_positive, default=4, help="entries checked per parameter")
-    p.add_argument("--tol", type=float, default=1e-6, help="largest relative error that passes")
+    p.add_argument("--n-layers", type=number(int, 1), default=2, help="transformer blocks (>= 1)")
+    p.add_argument("--n-heads", type=number(int, 1), default=4, help="query heads (>= 1)")
+    p.add_argument("--n-kv-heads", type=number(int, 1), default=2, help="key/value heads, dividing --n-heads")
+    p.add_argument("--head-dim", type=number(int, 1), default=4, help="features per head (even)")
+    p.add_argument("--vocab-size", type=number(int, 1), default=13, help="vocabulary size (>= 1)")
+    p.add_argument("--batch-size", type=number(int, 1), default=2, help="sequences (>= 1)")
+    p.add_argument("--seq-len", type=number(int, 1), default=6, help="positions per sequence (>= 1)")
+    p.add_argument("--entries", type=number(int, 1), default=4, help="entries checked per parameter")
+    p.add_argument("--tol", type=number(float, 0.0, low_open=True), default=1e-6, help="largest relative error that passes")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, tokens and probes")
     p.set_defaults(func=run)

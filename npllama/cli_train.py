@@ -14,31 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from pathlib import Path
 
+from .cli_args import number
 from .train import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INTS, PRESETS, STRUCTURAL_FIELDS, TrainConfig,
                     parse_duration, preset, train)
-
-
-def _positive_or_zero_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text} must be finite")
-    return value
 
 
 def _duration(text: str) -> float:
@@ -53,9 +33,9 @@ def _parse_type(f: dataclasses.Field):
         return _duration
     kind = f.type if isinstance(f.type, str) else f.type.__name__
     if kind == "int":
-        return _positive_or_zero_int
+        return number(int, 0)
     if kind == "float":
-        return _finite_float
+        return number(float)
     return str
 
 

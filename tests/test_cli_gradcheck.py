@@ -31,4 +31,4 @@ def test_bad_flag_value_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["gradcheck", "--n-heads", "0"])
     assert e.value.code == 2
-    assert "must be a positive integer" in capsys.readouterr().err
+    assert "must be >= 1" in capsys.readouterr().err
