@@ -1,6 +1,5 @@
 """`npllama generate` end to end on tiny saved models (in-process, through cli_generate.main)."""
 
-import numpy as np
 import pytest
 
 import npllama

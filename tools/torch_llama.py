@@ -5,7 +5,6 @@ here speed matters, so attention goes through F.scaled_dot_product_attention and
 precomputed real cos/sin tables, as a careful PyTorch user would write it.
 """
 
-import math
 
 import numpy as np
 import torch
