@@ -113,6 +113,8 @@ def _run_sharded(fn, workers: int, dim: int, *row_arrays):
     B, T = row_arrays[0].shape[:2]
     n_shards = min(B, max(workers, -(-B * T * dim // _SHARD_ACTIVATIONS)))
     shards = np.array_split(np.arange(B), n_shards)
+    if workers == 1:            # one after another in this thread, with BLAS as it is
+        return [fn(*(a[rows] for a in row_arrays)) for rows in shards]
     with blas_threads(1):
         futures = [_executor(workers).submit(fn, *(a[rows] for a in row_arrays)) for rows in shards]
         return [f.result() for f in futures]
@@ -367,9 +369,6 @@ class Llama:
         if kv_cache is None and mask is None:
             workers = default_workers(*tokens.shape, self.config.dim) if workers is None else _check_workers(workers)
             workers = min(workers, tokens.shape[0])
-        else:
-            workers = 1
-        if workers > 1:
             logits = np.concatenate(_run_sharded(lambda x: self._forward(x)[0], workers, self.config.dim, tokens))
         else:
             logits, _ = self._forward(tokens, kv_cache, int(start_pos), mask)
@@ -381,8 +380,9 @@ class Llama:
         """Mean cross-entropy of the targets (ignoring -100) and its gradient for every parameter.
 
         tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params).
-        workers: threads, each taking a contiguous shard of the batch rows (default: one per CPU
-            core, at most B; one for steps under 65536 activations per layer). Each shard's loss is divided by the whole batch's target count, so the
+        workers: threads sharing contiguous shards of the batch rows (default: one per CPU core, at
+            most B; one for steps under 65536 activations per layer). Large batches are cut into
+            more shards than threads, about 2^17 activations each, so temporaries stay in cache. Each shard's loss is divided by the whole batch's target count, so the
             shards' losses and gradients add up to the full batch's exactly (up to rounding). NumPy
             releases the GIL inside its ufuncs and BLAS calls, so shards run in parallel, every
             element-wise op included, where one process with a multi-threaded BLAS would run those
@@ -398,8 +398,6 @@ class Llama:
             raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
         workers = default_workers(*tokens.shape, self.config.dim) if workers is None else _check_workers(workers)
         workers = min(workers, tokens.shape[0])
-        if workers == 1:
-            return self._loss_and_grads(tokens, targets, n_valid)
         results = _run_sharded(lambda x, y: self._loss_and_grads(x, y, n_valid), workers, self.config.dim,
                                tokens, targets)
         loss, grads = results[0]
