@@ -43,13 +43,13 @@ import math
 import os
 import re
 import struct
-import tempfile
 import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from .atomic import write_atomic as _write_atomic
 from .config import LlamaConfig
 from .convert import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_meta_name, is_hf_name,
                       llama_to_hf_config, meta_to_hf, meta_to_hf_name, permute_hf_to_meta, rope_inv_freq)
@@ -215,42 +215,6 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             arr = _bf16_to_f32(arr) if st == "BF16" else arr.astype(dt.newbyteorder("="), copy=False)
             tensors[name] = arr
     return tensors, metadata
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:  # make the rename itself durable; not every platform can open a directory
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, write) -> None:
-    """Call write(file) on a temp file beside path, fsync, then os.replace it onto path."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
 
 
 def _write_bytes_atomic(path, data: bytes) -> None:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from .atomic import write_atomic
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -68,26 +69,19 @@ def download(url: str, dest: str | os.PathLike, sha256: str, timeout: float = 60
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    try:
+
+    def fetch(out):
         h = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out, urlopen(url, timeout=timeout) as response:
+        with urlopen(url, timeout=timeout) as response:
             for chunk in iter(lambda: response.read(_CHUNK), b""):
                 h.update(chunk)
                 out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
         got = h.hexdigest()
-        if got != sha256:
+        if got != sha256:   # raised inside the write: the temporary file is deleted, dest untouched
             raise ChecksumError(f"download of {url} has sha256 {got}, expected {sha256}; the file was "
                                 "discarded. Fetch it by hand and pass --data PATH, or retry later")
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+
+    write_atomic(dest, fetch, suffix=".part")
     return dest
 
 
