@@ -171,9 +171,8 @@ def block_forward(x, w: LayerWeights, cos, sin, *, n_heads, n_kv_heads, eps, kv=
     # attention sub-block: h = x + wo(attention(rope(q), rope(k), v))
     xn, c_attention_norm = rmsnorm_forward(x, w.attention_norm, eps)
     qkv, c_wqkv = linear_forward(xn, np.concatenate((w.wq, w.wk, w.wv)))    # (B, T, (H + 2 KVH) Dh)
-    q = qkv[..., :H * Dh].reshape(B, T, H, Dh).transpose(0, 2, 1, 3)                 # -> (B, H, T, Dh)
-    k = qkv[..., H * Dh:(H + KVH) * Dh].reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)  # -> (B, KVH, T, Dh)
-    v = qkv[..., (H + KVH) * Dh:].reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)        # -> (B, KVH, T, Dh)
+    heads = qkv.reshape(B, T, H + 2 * KVH, Dh).transpose(0, 2, 1, 3)        # -> (B, H + 2 KVH, T, Dh)
+    q, k, v = heads[:, :H], heads[:, H:H + KVH], heads[:, H + KVH:]        # (B, H | KVH | KVH, T, Dh)
     q, c_rope_q = rope_forward(q, cos, sin)
     k, c_rope_k = rope_forward(k, cos, sin)
     if kv is not None:
@@ -218,11 +217,12 @@ def block_backward(dout, cache: BlockCache):
     dq, dk, dv = attention_backward(datt, cache.attention)
     dk = rope_backward(dk, cache.rope_k)
     dq = rope_backward(dq, cache.rope_q)
-    # undo the split of qkv: write each head-major gradient back into its slice, (B, T, (H + 2 KVH) Dh)
-    dqkv = np.empty((B, T, (H + 2 * KVH) * Dh), dtype=dout.dtype)
-    dqkv[..., :H * Dh].reshape(B, T, H, Dh)[...] = dq.transpose(0, 2, 1, 3)
-    dqkv[..., H * Dh:(H + KVH) * Dh].reshape(B, T, KVH, Dh)[...] = dk.transpose(0, 2, 1, 3)
-    dqkv[..., (H + KVH) * Dh:].reshape(B, T, KVH, Dh)[...] = dv.transpose(0, 2, 1, 3)
+    # undo the split of qkv into heads: each gradient goes back into its heads' slots
+    dqkv = np.empty((B, T, H + 2 * KVH, Dh), dtype=dout.dtype)
+    dqkv[:, :, :H] = dq.transpose(0, 2, 1, 3)                   # (B, H, T, Dh) -> (B, T, H, Dh)
+    dqkv[:, :, H:H + KVH] = dk.transpose(0, 2, 1, 3)
+    dqkv[:, :, H + KVH:] = dv.transpose(0, 2, 1, 3)
+    dqkv = dqkv.reshape(B, T, (H + 2 * KVH) * Dh)
     dxn, dwqkv = linear_backward(dqkv, cache.wqkv)              # sums the q, k and v branches
     dwq, dwk, dwv = dwqkv[:H * Dh], dwqkv[H * Dh:(H + KVH) * Dh], dwqkv[(H + KVH) * Dh:]
     dx_branch, dattention_norm = rmsnorm_backward(dxn, cache.attention_norm)
