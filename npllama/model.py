@@ -53,6 +53,23 @@ class LayerWeights(NamedTuple):
     w3: np.ndarray               # (F, D) up
 
 
+class StackedLayer(NamedTuple):
+    """One block's weights as block_forward uses them: projections that read the same input
+    stacked into one matrix, so each runs as one GEMM (built once per step by stack_layer)."""
+    attention_norm: np.ndarray   # (D,)
+    wqkv: np.ndarray             # ((H + 2 KVH) Dh, D): [wq; wk; wv]
+    wo: np.ndarray               # (D, H*Dh)
+    ffn_norm: np.ndarray         # (D,)
+    w13: np.ndarray              # (2F, D): [w1; w3], gate then up
+    w2: np.ndarray               # (D, F)
+
+
+def stack_layer(w: LayerWeights) -> StackedLayer:
+    """Stack [wq; wk; wv] and [w1; w3]: a copy of the weights, small next to the activations."""
+    return StackedLayer(w.attention_norm, np.concatenate((w.wq, w.wk, w.wv)), w.wo,
+                        w.ffn_norm, np.concatenate((w.w1, w.w3)), w.w2)
+
+
 class BlockCache(NamedTuple):
     attention_norm: tuple
     wqkv: tuple
@@ -152,25 +169,25 @@ def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[st
     return params
 
 
-def block_forward(x, w: LayerWeights, cos, sin, *, n_heads, n_kv_heads, eps, kv=None, start_pos=0, mask=None):
+def block_forward(x, w: StackedLayer, cos, sin, *, n_heads, n_kv_heads, eps, kv=None, start_pos=0, mask=None):
     """One transformer block (Meta model.py TransformerBlock).
 
-    Inputs:  x (B, T, D); w the block's weights; cos, sin (T, Dh/2) RoPE rows of these positions;
+    Inputs:  x (B, T, D); w the block's weights, stacked (stack_layer); cos, sin (T, Dh/2) RoPE rows;
              kv: None (training), or this layer's (k_cache, v_cache), each (B, KVH, max_seq_len, Dh),
              into which positions start_pos .. start_pos + T - 1 are written before attending;
              mask: None (causal) or booleans (B, T, S), see attention_forward.
     Returns: out (B, T, D), cache for block_backward.
 
     Projections that read the same input run as one GEMM on their stacked weights: [wq; wk; wv]
-    and [w1; w3]. Stacking copies the weights (small) and saves passes over the activations
-    (large); in backward the one GEMM dx = dy @ W also sums the branches' gradients for free.
+    and [w1; w3]. That saves passes over the activations, and in backward the one GEMM
+    dx = dy @ W also sums the branches' gradients for free.
     """
     B, T, D = x.shape
     H, KVH = n_heads, n_kv_heads
     Dh = D // H
     # attention sub-block: h = x + wo(attention(rope(q), rope(k), v))
     xn, c_attention_norm = rmsnorm_forward(x, w.attention_norm, eps)
-    qkv, c_wqkv = linear_forward(xn, np.concatenate((w.wq, w.wk, w.wv)))    # (B, T, (H + 2 KVH) Dh)
+    qkv, c_wqkv = linear_forward(xn, w.wqkv)                                # (B, T, (H + 2 KVH) Dh)
     heads = qkv.reshape(B, T, H + 2 * KVH, Dh).transpose(0, 2, 1, 3)        # -> (B, H + 2 KVH, T, Dh)
     q, k, v = heads[:, :H], heads[:, H:H + KVH], heads[:, H + KVH:]        # (B, H | KVH | KVH, T, Dh)
     q, c_rope_q = rope_forward(q, cos, sin)
@@ -188,7 +205,7 @@ def block_forward(x, w: LayerWeights, cos, sin, *, n_heads, n_kv_heads, eps, kv=
     h = x + o
     # feed-forward sub-block: out = h + w2(silu(w1(hn)) * w3(hn))
     hn, c_ffn_norm = rmsnorm_forward(h, w.ffn_norm, eps)
-    ab, c_w13 = linear_forward(hn, np.concatenate((w.w1, w.w3)))            # (B, T, 2F): [gate | up]
+    ab, c_w13 = linear_forward(hn, w.w13)                                   # (B, T, 2F): [gate | up]
     g, c_swiglu = swiglu_forward(ab)
     f, c_w2 = linear_forward(g, w.w2)
     out = h + f
@@ -312,15 +329,17 @@ class Llama:
 
     # ---- passes ---------------------------------------------------------------------------------
 
-    def _layer(self, i) -> LayerWeights:
+    def _stacked_layers(self) -> list[StackedLayer]:
+        """Every block's weights, stacked once per step (not once per shard and layer call)."""
         p = self.params
-        return LayerWeights(*(p[f"layers.{i}.{LAYER_PARAM_NAMES[f]}"] for f in LayerWeights._fields))
+        return [stack_layer(LayerWeights(*(p[f"layers.{i}.{LAYER_PARAM_NAMES[f]}"] for f in LayerWeights._fields)))
+                for i in range(self.config.n_layers)]
 
     def _output_weight(self):
         # tied: the output projection reads the embedding matrix itself
         return self.params["tok_embeddings.weight" if self.config.tie_embeddings else "output.weight"]
 
-    def _forward(self, tokens, kv_cache=None, start_pos=0, mask=None):
+    def _forward(self, tokens, layers, kv_cache=None, start_pos=0, mask=None):
         cfg = self.config
         T = tokens.shape[1]
         cos = self._rope_cos[start_pos:start_pos + T]            # (T, Dh/2)
@@ -329,7 +348,7 @@ class Llama:
         block_caches = []
         for i in range(cfg.n_layers):
             kv = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
-            x, c_block = block_forward(x, self._layer(i), cos, sin, n_heads=cfg.n_heads,
+            x, c_block = block_forward(x, layers[i], cos, sin, n_heads=cfg.n_heads,
                                        n_kv_heads=cfg.n_kv_heads, eps=cfg.norm_eps,
                                        kv=kv, start_pos=start_pos, mask=mask)
             block_caches.append(c_block)
@@ -369,9 +388,11 @@ class Llama:
         if kv_cache is None and mask is None:
             workers = default_workers(*tokens.shape, self.config.dim) if workers is None else _check_workers(workers)
             workers = min(workers, tokens.shape[0])
-            logits = np.concatenate(_run_sharded(lambda x: self._forward(x)[0], workers, self.config.dim, tokens))
+            layers = self._stacked_layers()
+            logits = np.concatenate(_run_sharded(lambda x: self._forward(x, layers)[0], workers,
+                                                 self.config.dim, tokens))
         else:
-            logits, _ = self._forward(tokens, kv_cache, int(start_pos), mask)
+            logits, _ = self._forward(tokens, self._stacked_layers(), kv_cache, int(start_pos), mask)
         if kv_cache is not None:
             kv_cache.length = int(start_pos) + tokens.shape[1]
         return logits[0] if one_dim else logits
@@ -398,8 +419,9 @@ class Llama:
             raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
         workers = default_workers(*tokens.shape, self.config.dim) if workers is None else _check_workers(workers)
         workers = min(workers, tokens.shape[0])
-        results = _run_sharded(lambda x, y: self._loss_and_grads(x, y, n_valid), workers, self.config.dim,
-                               tokens, targets)
+        layers = self._stacked_layers()
+        results = _run_sharded(lambda x, y: self._loss_and_grads(x, y, n_valid, layers), workers,
+                               self.config.dim, tokens, targets)
         loss, grads = results[0]
         for shard_loss, shard_grads in results[1:]:         # the batch's gradient is the shards' sum
             loss += shard_loss
@@ -407,10 +429,10 @@ class Llama:
                 grads[name] += g
         return loss, grads
 
-    def _loss_and_grads(self, tokens, targets, normalizer):
+    def _loss_and_grads(self, tokens, targets, normalizer, layers):
         """Loss and gradients of validated tokens and targets, the loss summed and divided by normalizer."""
         cfg = self.config
-        logits, (c_embedding, block_caches, c_norm, c_output) = self._forward(tokens)
+        logits, (c_embedding, block_caches, c_norm, c_output) = self._forward(tokens, layers)
         loss, c_loss = cross_entropy_forward(logits, targets, normalizer)
         # The chain rule starts here: dloss = 1.0, and cross-entropy divides by the number of
         # targets that are not -100.
