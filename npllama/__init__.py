@@ -1,12 +1,21 @@
 """npllama: LLaMA-2 in pure NumPy, with hand-written backward passes.
 
 The public surface (see CONTRACT.md): LlamaConfig, Llama, load, save, AdamW, clip_grad_norm.
-Data flows one way: config -> model (params, ops) -> optim / train / generate -> cli.
+
+Layers, each importing only from those before it (tests/test_layout.py checks it):
+    checks, config, tokenizers      the blueprint and small shared pieces
+    ops, kvcache, model             the reference math: pure functions a reader reads
+    optim, sampling, gradcheck      AdamW and clipping, choosing tokens, numerical gradients
+    engine                          speed only, tested equal to the reference
+    generate, llama                 decoding loops; the public Llama object
+    io                              file formats: load and save
+    train                           the training loop and its files
+    cli                             the command line
 """
 
-from .checkpoint import load, save
 from .config import LlamaConfig
-from .model import Llama
+from .io import load, save
+from .llama import Llama
 from .optim import AdamW, clip_grad_norm
 
 __all__ = ["LlamaConfig", "Llama", "load", "save", "AdamW", "clip_grad_norm"]

@@ -11,6 +11,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from .checks import check_int, check_real, dataclass_from_dict
+
 
 def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
     """Meta model.py FeedForward: 4*dim -> int(2/3 *) -> * ffn_dim_multiplier -> round up to multiple_of.
@@ -21,14 +23,6 @@ def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None
     if ffn_dim_multiplier is not None:
         hidden_dim = int(ffn_dim_multiplier * hidden_dim)
     return multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
-
-
-def _check_int(name: str, value, minimum: int = 1) -> None:
-    # bool is an int subclass; n_heads=True is a typo, not a size.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r} must be an integer")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
 
 
 @dataclass(frozen=True)
@@ -48,10 +42,10 @@ class LlamaConfig:
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
-            _check_int(name, getattr(self, name))
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        _check_int("n_kv_heads", self.n_kv_heads)
+        object.__setattr__(self, "n_kv_heads", check_int("n_kv_heads", self.n_kv_heads, 1))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
@@ -63,18 +57,14 @@ class LlamaConfig:
             raise ValueError(f"head_dim = dim // n_heads = {self.head_dim} is odd; "
                              "RoPE rotates features in pairs (2i, 2i+1), so it must be even")
         if self.ffn_dim_multiplier is not None:
-            if not isinstance(self.ffn_dim_multiplier, (int, float)) or isinstance(self.ffn_dim_multiplier, bool) \
-                    or not self.ffn_dim_multiplier > 0:
-                raise ValueError(f"ffn_dim_multiplier={self.ffn_dim_multiplier!r} must be a positive number or None")
+            object.__setattr__(self, "ffn_dim_multiplier", check_real(
+                "ffn_dim_multiplier", self.ffn_dim_multiplier, 0.0, low_open=True, hint=" (or None)"))
         if self.hidden_dim is None:
             object.__setattr__(self, "hidden_dim",
                                meta_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier))
-        _check_int("hidden_dim", self.hidden_dim)
+        object.__setattr__(self, "hidden_dim", check_int("hidden_dim", self.hidden_dim, 1))
         for name in ("norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a finite positive number")
-            object.__setattr__(self, name, float(value))
+            object.__setattr__(self, name, check_real(name, getattr(self, name), 0.0, low_open=True))
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
 
@@ -112,6 +102,10 @@ class LlamaConfig:
     def n_params(self) -> int:
         return sum(math.prod(s) for s in self.param_shapes().values())
 
+    def replace(self, **changes) -> "LlamaConfig":
+        """A copy with some fields changed and validated again (e.g. max_seq_len=4096)."""
+        return dataclasses.replace(self, **changes)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -121,13 +115,7 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "LlamaConfig":
         """Build from a dict such as to_dict() wrote; unknown keys are an error, not ignored."""
-        if not isinstance(d, dict):
-            raise ValueError(f"a config must be a JSON object, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown LlamaConfig fields {unknown}; known fields are {sorted(known)}")
-        return cls(**d)
+        return dataclass_from_dict(cls, d, "LlamaConfig")
 
     @classmethod
     def from_json(cls, text: str) -> "LlamaConfig":

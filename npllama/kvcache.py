@@ -26,6 +26,15 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.k.shape[3]
+
+def append_kv(kv, k, v, start_pos: int):
+    """Write one layer's new keys and values at start_pos and return every position so far.
+
+    kv: (k_cache, v_cache), each (B, KVH, max_seq_len, Dh); k, v (B, KVH, T, Dh).
+    Returns: k, v (B, KVH, S, Dh) with S = start_pos + T, views of the cache.
+    """
+    k_cache, v_cache = kv
+    end = start_pos + k.shape[2]
+    k_cache[:, :, start_pos:end] = k
+    v_cache[:, :, start_pos:end] = v
+    return k_cache[:, :, :end], v_cache[:, :, :end]

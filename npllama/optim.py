@@ -19,19 +19,7 @@ from typing import Mapping
 
 import numpy as np
 
-
-def _check_number(name: str, value, low: float, high: float = math.inf, *,
-                  low_inclusive: bool = True, high_inclusive: bool = False) -> float:
-    """`value` as a float inside the interval, else ValueError naming it and the interval."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name}={value!r} must be a number")
-    value = float(value)
-    ok_low = value >= low if low_inclusive else value > low
-    ok_high = value <= high if high_inclusive else value < high
-    if not (math.isfinite(value) and ok_low and ok_high):
-        interval = ("[" if low_inclusive else "(") + f"{low}, {high}" + ("]" if high_inclusive else ")")
-        raise ValueError(f"{name}={value!r} must be a finite number in {interval}")
-    return value
+from .checks import check_int, check_real
 
 
 class AdamW:
@@ -72,11 +60,11 @@ class AdamW:
             beta1, beta2 = betas
         except (TypeError, ValueError):
             raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)") from None
-        self.lr = _check_number("lr", lr, 0.0)
-        self.beta1 = _check_number("beta1", beta1, 0.0, 1.0)
-        self.beta2 = _check_number("beta2", beta2, 0.0, 1.0)
-        self.eps = _check_number("eps", eps, 0.0)
-        self.weight_decay = _check_number("weight_decay", weight_decay, 0.0)
+        self.lr = check_real("lr", lr, 0.0)
+        self.beta1 = check_real("beta1", beta1, 0.0, 1.0, high_open=True)
+        self.beta2 = check_real("beta2", beta2, 0.0, 1.0, high_open=True)
+        self.eps = check_real("eps", eps, 0.0)
+        self.weight_decay = check_real("weight_decay", weight_decay, 0.0)
         self.params = params
         self.step_count = 0                                       # t: steps taken so far
         self.exp_avg = {n: np.zeros_like(p) for n, p in params.items()}     # m
@@ -106,7 +94,7 @@ class AdamW:
         the stored self.lr is unchanged. grads are read, never modified.
         """
         self._check_grads(grads)
-        lr = self.lr if lr is None else _check_number("lr", lr, 0.0)
+        lr = self.lr if lr is None else check_real("lr", lr, 0.0)
         self.step_count += 1
         t = self.step_count
         beta1, beta2, eps = self.beta1, self.beta2, self.eps
@@ -133,13 +121,6 @@ class AdamW:
             np.divide(m, s, out=s)
             s *= step_size
             p -= s
-
-    def zero_state(self) -> None:
-        """Forget the moments and the step count (as a freshly built optimizer)."""
-        self.step_count = 0
-        for n in self.params:
-            self.exp_avg[n].fill(0)
-            self.exp_avg_sq[n].fill(0)
 
     def state_dict(self) -> dict:
         """A flat dict of python scalars and array copies that load_state_dict restores exactly.
@@ -181,8 +162,10 @@ class AdamW:
         step = sd.get("step", 0)
         if isinstance(step, np.ndarray) and step.ndim == 0:
             step = step.item()
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            problems.append(f"step={step!r} must be a non-negative integer")
+        try:
+            check_int("step", step, 0)
+        except ValueError as e:
+            problems.append(str(e))
         hyper = {}
         for key, low, high in (("lr", 0.0, math.inf), ("beta1", 0.0, 1.0), ("beta2", 0.0, 1.0),
                                ("eps", 0.0, math.inf), ("weight_decay", 0.0, math.inf)):
@@ -191,7 +174,7 @@ class AdamW:
                     value = sd[key]
                     if isinstance(value, np.ndarray) and value.ndim == 0:
                         value = value.item()
-                    hyper[key] = _check_number(key, value, low, high)
+                    hyper[key] = check_real(key, value, low, high, high_open=True)
                 except ValueError as e:
                     problems.append(str(e))
         if problems:
@@ -230,8 +213,8 @@ def clip_grad_norm(grads: Mapping[str, np.ndarray], max_norm: float) -> float:
     math.isfinite(total) and skip the step or stop (`npllama train` stops with a message).
     max_norm=inf measures the norm without clipping.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float, np.integer, np.floating)) \
-            or math.isnan(max_norm) or max_norm <= 0:
+    if isinstance(max_norm, (bool, np.bool_)) or not isinstance(max_norm, (int, float, np.integer, np.floating)) \
+            or math.isnan(max_norm) or max_norm <= 0:   # inf is allowed here: measure without clipping
         raise ValueError(f"max_norm={max_norm!r} must be a positive number (inf measures without clipping)")
     if not isinstance(grads, Mapping):
         raise ValueError(f"clip_grad_norm needs a dict {{name: ndarray}} of gradients, got {type(grads).__name__}")
@@ -269,13 +252,11 @@ def lr_at(step: int, lr: float, warmup_steps: int, decay_steps: int, min_lr: flo
     warmup_steps=0 starts the cosine at once; decay_steps <= warmup_steps keeps lr flat
     after the warm-up.
     """
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step={step!r} must be a non-negative integer")
-    for name, value in (("warmup_steps", warmup_steps), ("decay_steps", decay_steps)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a non-negative integer")
-    lr = _check_number("lr", lr, 0.0)
-    min_lr = _check_number("min_lr", min_lr, 0.0)
+    check_int("step", step, 0)
+    check_int("warmup_steps", warmup_steps, 0)
+    check_int("decay_steps", decay_steps, 0)
+    lr = check_real("lr", lr, 0.0)
+    min_lr = check_real("min_lr", min_lr, 0.0)
     if min_lr > lr:
         raise ValueError(f"min_lr={min_lr} is above lr={lr}; the cosine decays from lr down to min_lr")
     if step < warmup_steps:

@@ -27,35 +27,24 @@ every sample reproducible.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
 
-
-def _check_number(name, value, *, low, high=math.inf, low_open=False, high_open=False, hint=""):
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number{hint}")
-    too_low = value <= low if low_open else value < low
-    too_high = value >= high if high_open else value > high
-    if too_low or too_high:
-        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-        raise ValueError(f"{name}={value!r} must lie in {lo}{low}, {high}{hi}{hint}")
-    return float(value)
+from .checks import check_int, check_real
 
 
 def check_sampling_args(temperature=0.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None):
     """Validate sampling hyper-parameters (ValueError naming the bad one); None means "off"."""
-    _check_number("temperature", temperature, low=0.0, hint="; 0 means greedy (argmax)")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
-        raise ValueError(f"top_k={top_k!r} must be a positive integer, or None to keep every token")
+    check_real("temperature", temperature, 0.0, hint="; 0 means greedy (argmax)")
+    if top_k is not None:
+        check_int("top_k", top_k, 1, hint=", or None to keep every token")
     if top_p is not None:
-        _check_number("top_p", top_p, low=0.0, high=1.0, low_open=True, hint="; None (or 1.0) keeps every token")
+        check_real("top_p", top_p, 0.0, 1.0, low_open=True, hint="; None (or 1.0) keeps every token")
     if min_p is not None:
-        _check_number("min_p", min_p, low=0.0, high=1.0, hint="; None (or 0) keeps every token")
+        check_real("min_p", min_p, 0.0, 1.0, hint="; None (or 0) keeps every token")
     if repetition_penalty is not None:
-        _check_number("repetition_penalty", repetition_penalty, low=0.0, low_open=True,
+        check_real("repetition_penalty", repetition_penalty, 0.0, low_open=True,
                       hint="; 1.0 (or None) is no penalty, > 1 discourages repeats")
 
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from .checks import check_int
+
 
 class CharTokenizer:
     """Characters as tokens: id i is the i-th character of `chars` (sorted, distinct)."""
@@ -275,8 +277,7 @@ def train_sentencepiece(text: str, vocab_size: int, seed: int = 0) -> SentencePi
     """
     if not isinstance(text, str) or not text.strip():
         raise ValueError("train_sentencepiece needs non-empty text")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size={vocab_size!r} must be a positive integer")
+    check_int("vocab_size", vocab_size, 1)
     lines = [line for line in text.split("\n") if line]
     n_chars = len(set("".join(lines)))
     minimum = 3 + 256 + n_chars + 1  # specials, bytes, every character, the '▁'

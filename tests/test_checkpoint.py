@@ -13,8 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import npllama
-from npllama import checkpoint as ck
-from npllama import convert as cv
+from npllama.io import checkpoint as ck, hf as cv
+from npllama.io.errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError
+from npllama.io.llama2c import LLAMA2C_MAGIC
+from npllama.io.safetensors import _bf16_to_f32, f32_to_bf16, read_safetensors, read_safetensors_header, write_safetensors_atomic
+from npllama.ops import rope_frequencies
 from npllama.tokenizers import CharTokenizer
 
 from .conftest import data_file
@@ -59,7 +62,7 @@ def test_permute_moves_rows_as_documented():
 def _rope_meta(x, theta):
     """Meta: rotate pairs (2j, 2j+1) of the last axis by p * theta_j."""
     T, Dh = x.shape
-    ang = np.arange(T)[:, None] * cv.rope_inv_freq(Dh, theta)[None]
+    ang = np.arange(T)[:, None] * rope_frequencies(Dh, theta)[None]
     a, b = x[:, 0::2], x[:, 1::2]
     out = np.empty_like(x)
     out[:, 0::2] = a * np.cos(ang) - b * np.sin(ang)
@@ -70,7 +73,7 @@ def _rope_meta(x, theta):
 def _rope_hf(x, theta):
     """transformers: x * cos + rotate_half(x) * sin with angles cat(ang, ang)."""
     T, Dh = x.shape
-    ang = np.arange(T)[:, None] * cv.rope_inv_freq(Dh, theta)[None]
+    ang = np.arange(T)[:, None] * rope_frequencies(Dh, theta)[None]
     cos, sin = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
     rot = np.concatenate([-x[:, Dh // 2:], x[:, :Dh // 2]], 1)
     return x * cos + rot * sin
@@ -104,9 +107,9 @@ def test_name_maps_cover_every_parameter_both_ways():
 def test_safetensors_write_read_all_dtypes(tmp_path):
     t = {"f32": np.arange(6, dtype=np.float32).reshape(2, 3), "f64": np.array(2.5),
          "f16": np.ones((3,), np.float16), "i64": np.array([1, -2], np.int64), "empty": np.zeros((0, 4), np.float32),
-         "bf16": ck.f32_to_bf16(np.array([1.0, -2.5, 3.140625], np.float32))}
-    ck.write_safetensors_atomic(tmp_path / "x.safetensors", t, {"note": "hi"})
-    got, meta = ck.read_safetensors(tmp_path / "x.safetensors")
+         "bf16": f32_to_bf16(np.array([1.0, -2.5, 3.140625], np.float32))}
+    write_safetensors_atomic(tmp_path / "x.safetensors", t, {"note": "hi"})
+    got, meta = read_safetensors(tmp_path / "x.safetensors")
     assert meta == {"note": "hi", "format": "pt"}
     assert list(got) == list(t)
     for k in ("f32", "f64", "f16", "i64", "empty"):
@@ -119,13 +122,13 @@ def test_safetensors_write_read_all_dtypes(tmp_path):
 
 def test_bf16_rounds_to_nearest_even():
     x = np.array([1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-7 + 2**-9], np.float32)
-    back = ck._bf16_to_f32(ck.f32_to_bf16(x).bits)
+    back = _bf16_to_f32(f32_to_bf16(x).bits)
     assert back.tolist() == [1.0, 1.0 + 2**-6, 1.0 + 2**-7 + 0]
 
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatch):
     path = tmp_path / "m.safetensors"
-    ck.write_safetensors_atomic(path, {"a": np.ones(3, np.float32)})
+    write_safetensors_atomic(path, {"a": np.ones(3, np.float32)})
     before = path.read_bytes()
 
     def boom(fd):
@@ -133,7 +136,7 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatc
 
     monkeypatch.setattr(os, "fsync", boom)
     with pytest.raises(OSError, match="disk full"):
-        ck.write_safetensors_atomic(path, {"a": np.zeros(1000, np.float32)})
+        write_safetensors_atomic(path, {"a": np.zeros(1000, np.float32)})
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # no temp file left
 
@@ -144,7 +147,7 @@ def test_meta_round_trip_is_exact_with_tokenizer(tiny_config, tmp_path):
     model = random_model(tiny_config)
     model.tokenizer = CharTokenizer("abcdefghij ")
     path = npllama.save(model, tmp_path / "m.safetensors", format="meta")
-    _, meta = ck.read_safetensors(path)
+    _, meta = read_safetensors(path)
     assert meta["format"] == "pt" and npllama.LlamaConfig.from_json(meta["npllama_config"]) == tiny_config
     back = npllama.load(path)
     assert back.config == tiny_config
@@ -164,7 +167,7 @@ def test_sentencepiece_tokenizer_travels_with_both_formats(tmp_path):
     assert (folder / "tokenizer.model").read_bytes() == data_file("llama2-tokenizer.model").read_bytes()
     hf = json.loads((folder / "config.json").read_text())
     assert (hf["bos_token_id"], hf["eos_token_id"]) == (tok.bos_id, tok.eos_id) == (1, 2)
-    assert ck.read_safetensors_header(folder / "model.safetensors")[1] == {"format": "pt"}
+    assert read_safetensors_header(folder / "model.safetensors")[1] == {"format": "pt"}
     assert npllama.load(folder).tokenizer == tok
     assert npllama.load(npllama.save(model, tmp_path / "m.safetensors", format="meta")).tokenizer == tok
     (folder / "tokenizer.model").unlink()
@@ -178,7 +181,7 @@ def test_hf_round_trip_without_torch(tiny_config, tmp_path):
     hf = json.loads((folder / "config.json").read_text())
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
     assert hf["num_key_value_heads"] == tiny_config.n_kv_heads and hf["torch_dtype"] == "float32"
-    tensors, meta = ck.read_safetensors(folder / "model.safetensors")
+    tensors, meta = read_safetensors(folder / "model.safetensors")
     assert meta == {"format": "pt"}
     assert ("lm_head.weight" in tensors) == (not tiny_config.tie_embeddings)
     wq = model.params["layers.1.attention.wq.weight"]
@@ -193,8 +196,8 @@ def test_float64_model_saves_float32_unless_asked(tmp_path):
     model = random_model(gqa_config(), dtype=np.float64)
     ck.save(model, tmp_path / "a.safetensors", format="meta")
     ck.save(model, tmp_path / "b.safetensors", format="meta", dtype=np.float64)
-    a, _ = ck.read_safetensors(tmp_path / "a.safetensors")
-    b, _ = ck.read_safetensors(tmp_path / "b.safetensors")
+    a, _ = read_safetensors(tmp_path / "a.safetensors")
+    b, _ = read_safetensors(tmp_path / "b.safetensors")
     assert a["norm.weight"].dtype == np.float32 and b["norm.weight"].dtype == np.float64
     back = npllama.load(tmp_path / "b.safetensors", dtype=np.float64)
     assert all(np.array_equal(back.params[n], p) for n, p in model.params.items())
@@ -205,7 +208,7 @@ def test_half_precision_is_upcast_on_load(tmp_path, dtype, tol):
     model = random_model(gqa_config())
     folder = ck.save(model, tmp_path / "hf", format="hf", dtype=dtype)
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == dtype
-    header, _ = ck.read_safetensors_header(folder / "model.safetensors")
+    header, _ = read_safetensors_header(folder / "model.safetensors")
     assert {d for d, _ in header.values()} == {"F16" if dtype == "float16" else "BF16"}
     back = npllama.load(folder, dtype=np.float64)
     for n, p in model.params.items():
@@ -220,7 +223,7 @@ def _write_sharded(folder, model):
               "model-00002-of-00002.safetensors": names[len(names) // 2:]}
     folder.mkdir()
     for shard, part in shards.items():
-        ck.write_safetensors_atomic(folder / shard, {n: hf[n] for n in part})
+        write_safetensors_atomic(folder / shard, {n: hf[n] for n in part})
     index = {"metadata": {"total_size": 0}, "weight_map": {n: s for s, part in shards.items() for n in part}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     (folder / "config.json").write_text(json.dumps(cv.llama_to_hf_config(model.config)))
@@ -244,7 +247,7 @@ def test_sharded_folder_with_a_missing_or_inconsistent_shard_is_refused(tmp_path
     moved = shards[first][0]
     index["weight_map"][moved] = "model-00002-of-00002.safetensors"
     (tmp_path / "s" / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ck.CheckpointError, match="disagrees with model.safetensors.index.json"):
+    with pytest.raises(CheckpointError, match="disagrees with model.safetensors.index.json"):
         npllama.load(tmp_path / "s")
     (tmp_path / "s" / first).unlink()
     index["weight_map"][moved] = first
@@ -256,12 +259,12 @@ def test_sharded_folder_with_a_missing_or_inconsistent_shard_is_refused(tmp_path
 def test_safetensors_with_config_json_beside_it(tmp_path):
     model = random_model(gqa_config())
     hf = cv.meta_to_hf(model.params, model.config)
-    ck.write_safetensors_atomic(tmp_path / "weights.safetensors", hf)
+    write_safetensors_atomic(tmp_path / "weights.safetensors", hf)
     (tmp_path / "config.json").write_text(json.dumps(cv.llama_to_hf_config(model.config)))
     back = npllama.load(tmp_path / "weights.safetensors")
     np.testing.assert_array_equal(back.forward(TOKENS), model.forward(TOKENS))
     # an npllama-style config.json (LlamaConfig.to_json) works too, with Meta names
-    ck.write_safetensors_atomic(tmp_path / "weights.safetensors", model.params)
+    write_safetensors_atomic(tmp_path / "weights.safetensors", model.params)
     (tmp_path / "config.json").write_text(model.config.to_json())
     assert npllama.load(tmp_path / "weights.safetensors").config == model.config
 
@@ -273,26 +276,26 @@ def test_training_checkpoint_skips_optimizer_state_knowingly(tmp_path):
         tensors[f"optimizer.exp_avg.{n}"] = np.zeros_like(p)
         tensors[f"optimizer.exp_avg_sq.{n}"] = np.zeros_like(p)
     meta = {"npllama_config": model.config.to_json(), "npllama_train_state": json.dumps({"step": 3})}
-    ck.write_safetensors_atomic(tmp_path / "ckpt.safetensors", tensors, meta)
+    write_safetensors_atomic(tmp_path / "ckpt.safetensors", tensors, meta)
     back = npllama.load(tmp_path / "ckpt.safetensors")
     assert back.params.keys() == model.params.keys()
     del meta["npllama_train_state"]  # without it, optimizer tensors are unexpected
-    ck.write_safetensors_atomic(tmp_path / "ckpt.safetensors", tensors, meta)
-    with pytest.raises(ck.TensorMismatchError, match="optimizer.exp_avg.norm.weight"):
+    write_safetensors_atomic(tmp_path / "ckpt.safetensors", tensors, meta)
+    with pytest.raises(TensorMismatchError, match="optimizer.exp_avg.norm.weight"):
         npllama.load(tmp_path / "ckpt.safetensors")
 
 
 def test_rope_buffers_are_checked_then_skipped(tmp_path):
     model = random_model(gqa_config(rope_theta=500.0))
     hf = cv.meta_to_hf(model.params, model.config)
-    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = cv.rope_inv_freq(4, 500.0).astype(np.float32)
-    ck.write_safetensors_atomic(tmp_path / "w.safetensors", hf)
+    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = rope_frequencies(4, 500.0).astype(np.float32)
+    write_safetensors_atomic(tmp_path / "w.safetensors", hf)
     (tmp_path / "config.json").write_text(json.dumps(cv.llama_to_hf_config(model.config)))
     npllama.load(tmp_path / "w.safetensors")
     cfg = cv.llama_to_hf_config(model.config)
     cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"] = 10000.0
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ck.ConfigMismatchError, match="rope_theta=10000.0"):
+    with pytest.raises(ConfigMismatchError, match="rope_theta=10000.0"):
         npllama.load(tmp_path / "w.safetensors")
 
 
@@ -346,7 +349,7 @@ def _write_llama2c(path, model, version):
         parts += [p["norm.weight"], np.full((c.max_seq_len, c.head_dim // 2), 7.0),
                   np.full((c.max_seq_len, c.head_dim // 2), 7.0)]
     else:
-        head = struct.pack("<Ii7iB", ck.LLAMA2C_MAGIC, version, c.dim, c.hidden_dim, c.n_layers, c.n_heads,
+        head = struct.pack("<Ii7iB", LLAMA2C_MAGIC, version, c.dim, c.hidden_dim, c.n_layers, c.n_heads,
                            c.n_kv_heads, c.vocab_size, c.max_seq_len, int(shared))
         head += b"\0" * (256 - len(head))
         parts = [p[f"layers.{i}.attention_norm.weight"] for i in L] + [p[f"layers.{i}.ffn_norm.weight"] for i in L]
@@ -375,16 +378,16 @@ def test_llama2c_wrong_size_and_version_are_refused(tmp_path):
     _write_llama2c(tmp_path / "m.bin", model, 0)
     data = (tmp_path / "m.bin").read_bytes()
     (tmp_path / "m.bin").write_bytes(data[:-4])
-    with pytest.raises(ck.CheckpointError, match="truncated"):
+    with pytest.raises(CheckpointError, match="truncated"):
         npllama.load(tmp_path / "m.bin")
     (tmp_path / "m.bin").write_bytes(data + b"\0" * 8)
-    with pytest.raises(ck.CheckpointError, match="8 bytes too long"):
+    with pytest.raises(CheckpointError, match="8 bytes too long"):
         npllama.load(tmp_path / "m.bin")
-    (tmp_path / "m.bin").write_bytes(struct.pack("<Ii", ck.LLAMA2C_MAGIC, 2) + b"\0" * 300)
-    with pytest.raises(ck.CheckpointError, match="version 2"):
+    (tmp_path / "m.bin").write_bytes(struct.pack("<Ii", LLAMA2C_MAGIC, 2) + b"\0" * 300)
+    with pytest.raises(CheckpointError, match="version 2"):
         npllama.load(tmp_path / "m.bin")
     (tmp_path / "m.bin").write_bytes(struct.pack("<7i", 64, 172, 5, 8, 3, 512, 512) + b"\0" * 64)
-    with pytest.raises(ck.CheckpointError, match="n_kv_heads"):
+    with pytest.raises(CheckpointError, match="n_kv_heads"):
         npllama.load(tmp_path / "m.bin")
 
 
@@ -414,7 +417,7 @@ def test_missing_file_and_folder_without_weights(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         npllama.load(tmp_path / "empty")
     # a bare .safetensors without npllama_config or config.json: which config? say so
-    ck.write_safetensors_atomic(tmp_path / "bare.safetensors", random_model(gqa_config()).params)
+    write_safetensors_atomic(tmp_path / "bare.safetensors", random_model(gqa_config()).params)
     with pytest.raises(FileNotFoundError, match="config.json"):
         npllama.load(tmp_path / "bare.safetensors")
 
@@ -424,7 +427,7 @@ def test_truncated_safetensors_is_refused(tmp_path, cut):
     path, _ = _meta_file(tmp_path)
     data = path.read_bytes()
     path.write_bytes(data[:cut] if cut > 0 else data[:cut])
-    with pytest.raises(ck.CheckpointError, match="truncated"):
+    with pytest.raises(CheckpointError, match="truncated"):
         npllama.load(path)
 
 
@@ -451,7 +454,7 @@ def _rewrite_header(path, mutate):
 def test_corrupt_header_is_refused(tmp_path, mutate, match):
     path, _ = _meta_file(tmp_path)
     _rewrite_header(path, mutate)
-    with pytest.raises(ck.CheckpointError, match=match):
+    with pytest.raises(CheckpointError, match=match):
         npllama.load(path)
 
 
@@ -459,10 +462,10 @@ def test_header_length_beyond_file_and_trailing_bytes_are_refused(tmp_path):
     path, _ = _meta_file(tmp_path)
     data = path.read_bytes()
     path.write_bytes(struct.pack("<Q", 10**12) + data[8:])
-    with pytest.raises(ck.CheckpointError, match="header length"):
+    with pytest.raises(CheckpointError, match="header length"):
         npllama.load(path)
     path.write_bytes(data + b"\0" * 16)
-    with pytest.raises(ck.CheckpointError, match="16 bytes follow the last tensor"):
+    with pytest.raises(CheckpointError, match="16 bytes follow the last tensor"):
         npllama.load(path)
 
 
@@ -472,8 +475,8 @@ def test_missing_misshapen_and_unexpected_tensors_are_reported_at_once(tmp_path)
     del t["layers.1.ffn_norm.weight"], t["norm.weight"]
     t["layers.0.attention.wv.weight"] = np.zeros((9, 16), np.float32)
     t["lora.A"] = np.zeros(2, np.float32)
-    ck.write_safetensors_atomic(tmp_path / "m.safetensors", t, {"npllama_config": model.config.to_json()})
-    with pytest.raises(ck.TensorMismatchError) as e:
+    write_safetensors_atomic(tmp_path / "m.safetensors", t, {"npllama_config": model.config.to_json()})
+    with pytest.raises(TensorMismatchError) as e:
         npllama.load(tmp_path / "m.safetensors")
     msg = str(e.value)
     for part in ("layers.1.ffn_norm.weight", "'norm.weight'", "layers.0.attention.wv.weight: (9, 16), expected (8, 16)",
@@ -488,9 +491,9 @@ def test_unexpected_tensor_is_an_error_or_with_strict_false_a_warning(tmp_path):
     hf["model.layers.0.self_attn.q_norm.weight"] = np.ones(4, np.float32)
     folder = tmp_path / "hf"
     folder.mkdir()
-    ck.write_safetensors_atomic(folder / "model.safetensors", hf)
+    write_safetensors_atomic(folder / "model.safetensors", hf)
     (folder / "config.json").write_text(json.dumps(cv.llama_to_hf_config(model.config)))
-    with pytest.raises(ck.TensorMismatchError, match="q_norm"):
+    with pytest.raises(TensorMismatchError, match="q_norm"):
         npllama.load(folder)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -513,15 +516,15 @@ def test_config_contradicting_tensors_names_the_field(tmp_path, change, match):
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(change)
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ck.ConfigMismatchError, match=match):
+    with pytest.raises(ConfigMismatchError, match=match):
         npllama.load(folder)
 
 
 def test_untied_config_without_output_weight_names_the_field(tmp_path):
     model = random_model(gqa_config(tie_embeddings=True))
     untied = gqa_config(tie_embeddings=False)
-    ck.write_safetensors_atomic(tmp_path / "m.safetensors", model.params, {"npllama_config": untied.to_json()})
-    with pytest.raises(ck.ConfigMismatchError, match="tie_embeddings=False but the file has no output.weight"):
+    write_safetensors_atomic(tmp_path / "m.safetensors", model.params, {"npllama_config": untied.to_json()})
+    with pytest.raises(ConfigMismatchError, match="tie_embeddings=False but the file has no output.weight"):
         npllama.load(tmp_path / "m.safetensors")
 
 
@@ -530,12 +533,12 @@ def test_non_float_and_non_finite_weights_are_refused(tmp_path):
     meta = {"npllama_config": model.config.to_json()}
     t = dict(model.params)
     t["norm.weight"] = np.ones(16, np.int32)
-    ck.write_safetensors_atomic(tmp_path / "m.safetensors", t, meta)
-    with pytest.raises(ck.CheckpointError, match="norm.weight has dtype int32"):
+    write_safetensors_atomic(tmp_path / "m.safetensors", t, meta)
+    with pytest.raises(CheckpointError, match="norm.weight has dtype int32"):
         npllama.load(tmp_path / "m.safetensors")
     t["norm.weight"] = np.full(16, np.nan, np.float32)
-    ck.write_safetensors_atomic(tmp_path / "m.safetensors", t, meta)
-    with pytest.raises(ck.CheckpointError, match="norm.weight holds NaN"):
+    write_safetensors_atomic(tmp_path / "m.safetensors", t, meta)
+    with pytest.raises(CheckpointError, match="norm.weight holds NaN"):
         npllama.load(tmp_path / "m.safetensors")
 
 
@@ -565,7 +568,7 @@ def _pickle_variants(tmp_path, marker):
 def test_pickles_are_refused_without_being_executed(tmp_path):
     marker = tmp_path / "EXECUTED"
     for name in _pickle_variants(tmp_path, marker):
-        with pytest.raises(ck.PickleRefusedError, match="never unpickles") as e:
+        with pytest.raises(PickleRefusedError, match="never unpickles") as e:
             npllama.load(tmp_path / name)
         assert "safe_serialization=True" in str(e.value) and "export_torch.py" in str(e.value)
         assert not marker.exists(), f"{name}: the pickle was executed"

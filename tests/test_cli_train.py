@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama import cli, cli_train
+from npllama import cli
+from npllama.cli import train as cli_train
 from npllama.train import TrainConfig
 
 from .conftest import data_file
@@ -38,7 +39,7 @@ def test_flags_override_the_preset():
     cfg = cli_train.resolve_config(parser.parse_args(
         ["train", "--preset", "tiny", "--dim", "48", "--time-budget", "2m", "--no-tie-embeddings",
          "--tokenizer", "bpe", "--vocab-size", "600"]))
-    assert cfg == npllama.train.tiny().replace(dim=48, time_budget=120.0, tie_embeddings=False,
+    assert cfg == npllama.train.config.tiny().replace(dim=48, time_budget=120.0, tie_embeddings=False,
                                                tokenizer="bpe", vocab_size=600)
     assert cli_train.resolve_config(parser.parse_args(["train"])) == TrainConfig()
 
@@ -106,15 +107,14 @@ def test_malformed_flags_are_usage_errors(argv, capsys):
     assert "usage" in capsys.readouterr().err
 
 
-def test_module_entry_point_redraws_the_plot(shakespeare_slice, tmp_path):
+def test_plot_command_redraws_the_plot(shakespeare_slice, tmp_path):
     pytest.importorskip("matplotlib")
-    from npllama import train as train_mod
     out = tmp_path / "run"
     assert cli.main(["train", "--preset", "tiny", "--data", str(shakespeare_slice), "--max-steps", "3",
                      "--sample-tokens", "0", "--out-dir", str(out)]) == 0
     (out / "loss.png").unlink()
-    assert train_mod.main(["plot", str(out)]) == 0
+    assert cli.main(["plot", str(out)]) == 0
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    assert train_mod.main(["plot", str(tmp_path / "nothing")]) == 1
+    assert cli.main(["plot", str(tmp_path / "nothing")]) == 1
     final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert final["kind"] == "final" and final["step"] == 3 and np.isfinite(final["full_val_loss"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from npllama.checkpoint import read_safetensors, write_safetensors_atomic
+from npllama.io.safetensors import read_safetensors, write_safetensors_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "crosscheck.py"

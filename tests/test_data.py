@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from .conftest import data_file
-from npllama import data
+from npllama.train import data
 
 FAKE = b"First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50
 FAKE_SHA = hashlib.sha256(FAKE).hexdigest()

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama.generate import DecodeStep, generate, generate_batch, generate_stream
+from npllama.engine import DecodeStep
+from npllama.generate import generate, generate_batch, generate_stream
 from npllama.sampling import sample_next
 
 
@@ -35,22 +36,21 @@ def model64(tiny_config):
     return npllama.Llama(tiny_config, seed=3, dtype=np.float64)
 
 
-@pytest.mark.parametrize("B", [1, 4])   # both weight layouts (DecodeStep.rows_first)
+@pytest.mark.parametrize("B", [1, 4])
 def test_decode_step_logits_equal_full_recompute(model64, rng, B):
     """Every step of the fused, cached decode gives the full forward's last logits to < 1e-10."""
     cfg = model64.config
     seq = rng.integers(0, cfg.vocab_size, size=(B, cfg.max_seq_len))
     P = 5
-    kv = model64.new_kv_cache(B)
+    kv, kv_model = model64.new_kv_cache(B), model64.new_kv_cache(B)
     model64.forward(seq[:, :P], kv_cache=kv, start_pos=0)
-    step = DecodeStep(model64, B)
-    assert step.rows_first == (B == 1)   # dim 16 at one row: (in, out); at 4 rows: (out, in)
-    step.load(kv, P)
+    model64.forward(seq[:, :P], kv_cache=kv_model, start_pos=0)
+    step = DecodeStep(model64.params, cfg, model64.rope)
     worst = 0.0
     for pos in range(P, cfg.max_seq_len):
-        cached = step(seq[:, pos], pos)
+        cached = step(seq[:, pos], pos, kv)
         full = model64.forward(seq[:, :pos + 1])[:, -1]
-        model_cached = model64.forward(seq[:, pos:pos + 1], kv_cache=kv, start_pos=pos)[:, 0]
+        model_cached = model64.forward(seq[:, pos:pos + 1], kv_cache=kv_model, start_pos=pos)[:, 0]
         worst = max(worst, np.abs(cached - full).max(), np.abs(cached - model_cached).max())
     assert worst < 1e-10, worst
 
@@ -60,10 +60,9 @@ def test_decode_step_float32_is_close(tiny_config, rng):
     seq = rng.integers(0, tiny_config.vocab_size, size=(1, 12))
     kv = model.new_kv_cache(1)
     model.forward(seq[:, :4], kv_cache=kv)
-    step = DecodeStep(model, 1)
-    step.load(kv, 4)
+    step = DecodeStep(model.params, model.config, model.rope)
     for pos in range(4, 12):
-        cached = step(seq[:, pos], pos)
+        cached = step(seq[:, pos], pos, kv)
         assert cached.dtype == np.float32
         np.testing.assert_allclose(cached, model.forward(seq[:, :pos + 1])[:, -1], atol=2e-5, rtol=1e-4)
 

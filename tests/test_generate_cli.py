@@ -1,10 +1,11 @@
-"""`npllama generate` end to end on tiny saved models (in-process, through cli_generate.main)."""
+"""`npllama generate` end to end on tiny saved models (in-process, through npllama.cli.main)."""
 
 import pytest
 
 import npllama
-from npllama import cli_generate
-from npllama.cli_generate import StopStrings
+from npllama import cli
+from npllama.cli import generate as cli_generate
+from npllama.cli.generate import StopStrings
 from npllama.generate import generate
 from npllama.tokenizers import CharTokenizer, train_sentencepiece
 
@@ -29,7 +30,7 @@ def char_model(tmp_path):
 
 
 def run(capsys, *argv):
-    code = cli_generate.main(list(map(str, argv)))
+    code = cli.main(["generate", *map(str, argv)])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -127,7 +128,7 @@ def test_errors_name_the_problem(capsys, tmp_path, monkeypatch, char_model):
     assert code == 1 and "99" in err
     for bad in (["--top-p", "0"], ["--temp", "-1"], ["-n", "x"], ["--prompt-ids", "a,b"], ["--min-p", "2"]):
         with pytest.raises(SystemExit) as e:
-            cli_generate.main(["-m", str(path), *bad])
+            cli.main(["generate", "-m", str(path), *bad])
         assert e.value.code == 2
 
 

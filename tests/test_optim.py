@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from npllama.config import LlamaConfig
-from npllama.model import Llama
+from npllama import Llama
 from npllama.optim import AdamW, clip_grad_norm, lr_at
 
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=29, multiple_of=16, max_seq_len=16)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama import train as train_mod
-from npllama.model import Llama
+from npllama import Llama
+from npllama.train import config as train_config, data as train_data, loop as train_loop
 from npllama.optim import AdamW
 from npllama.train import TrainConfig, TrainingDiverged, train, train_step
-from npllama.train_checkpoint import load_train_checkpoint, load_train_state, save_train_checkpoint
+from npllama.train.checkpoint import load_train_checkpoint, load_train_state, save_train_checkpoint
 
 WORDS = ("thou art the king of all that lies beneath heaven and earth my lord good night sweet prince "
          "what light through yonder window breaks").split()
@@ -194,13 +194,13 @@ def test_time_budget_calibrates_the_schedule_and_stops(text_file, tmp_path):
 
 def test_bpe_tokenizer_is_trained_on_the_training_split_only(text_file, tmp_path, monkeypatch):
     seen = []
-    real = train_mod.train_sentencepiece
+    real = train_data.train_sentencepiece
 
     def spy(text, vocab_size, seed=0):
         seen.append(text)
         return real(text, vocab_size, seed)
 
-    monkeypatch.setattr(train_mod, "train_sentencepiece", spy)
+    monkeypatch.setattr(train_data, "train_sentencepiece", spy)
     text = text_file.read_text()
     cfg = tiny_cfg(text_file, tmp_path / "bpe", tokenizer="bpe", vocab_size=400, max_steps=4)
     train(cfg, out=io.StringIO())
@@ -253,24 +253,24 @@ def test_config_validation_names_the_flag(changes, needle):
 
 
 def test_presets_are_valid_and_distinct():
-    names = sorted(train_mod.PRESETS)
+    names = sorted(train_config.PRESETS)
     assert "shakespeare-char" in names
     for name in names:
-        train_mod.preset(name).validate()
-    assert train_mod.preset("shakespeare-char") == TrainConfig()
-    assert train_mod.preset("shakespeare-bpe").tokenizer == "bpe"
+        train_config.preset(name).validate()
+    assert train_config.preset("shakespeare-char") == TrainConfig()
+    assert train_config.preset("shakespeare-bpe").tokenizer == "bpe"
     with pytest.raises(ValueError, match="shakespeare-char"):
-        train_mod.preset("nope")
+        train_config.preset("nope")
 
 
 def test_parse_duration():
-    assert train_mod.parse_duration("90") == 90.0
-    assert train_mod.parse_duration("90s") == 90.0
-    assert train_mod.parse_duration("5m") == 300.0
-    assert train_mod.parse_duration("1.5h") == 5400.0
+    assert train_config.parse_duration("90") == 90.0
+    assert train_config.parse_duration("90s") == 90.0
+    assert train_config.parse_duration("5m") == 300.0
+    assert train_config.parse_duration("1.5h") == 5400.0
     for bad in ("fast", "-5m", "inf"):
         with pytest.raises(ValueError, match="duration"):
-            train_mod.parse_duration(bad)
+            train_config.parse_duration(bad)
 
 
 def test_loss_curve_or_how_to_get_it(text_file, tmp_path, monkeypatch):
@@ -289,11 +289,11 @@ def test_loss_curve_or_how_to_get_it(text_file, tmp_path, monkeypatch):
     log = io.StringIO()
     res = train(tiny_cfg(text_file, tmp_path / "q", max_steps=4), out=log)
     assert res.plot is None and "pip install" in log.getvalue()
-    assert "python -m npllama.train plot" in log.getvalue()
+    assert "npllama plot" in log.getvalue()
 
 
 def test_export_writes_the_model_alone(text_file, tmp_path):
-    from npllama.checkpoint import read_safetensors
+    from npllama.io.safetensors import read_safetensors
     export = tmp_path / "weights" / "model.safetensors"
     (tmp_path / "weights").mkdir()
     res = train(tiny_cfg(text_file, tmp_path / "run", max_steps=3, export=str(export)), out=io.StringIO())
@@ -312,9 +312,9 @@ def test_full_val_loss_covers_every_window_once():
     cfg = npllama.LlamaConfig(dim=16, n_layers=1, n_heads=2, vocab_size=11, multiple_of=8, max_seq_len=8)
     model = Llama(cfg, seed=2, dtype=np.float64)
     ids = np.random.default_rng(0).integers(0, 11, 8 * 5 + 3)       # 5 full windows and a remainder
-    got = train_mod.full_val_loss(model, ids, seq_len=8, batch_size=2)
+    got = train_loop.full_val_loss(model, ids, seq_len=8, batch_size=2)
     per_window = [cross_entropy_forward(model.forward(ids[None, j * 8:(j + 1) * 8]), ids[None, j * 8 + 1:(j + 1) * 8 + 1])[0]
                   for j in range(5)]
     assert got == pytest.approx(np.mean(per_window), rel=1e-12)
     with pytest.raises(ValueError, match="no full window"):
-        train_mod.full_val_loss(model, ids[:8], seq_len=8, batch_size=2)
+        train_loop.full_val_loss(model, ids[:8], seq_len=8, batch_size=2)

@@ -41,8 +41,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import npllama  # noqa: E402
-import npllama.generate  # noqa: E402
-from npllama.blas import blas_threads  # noqa: E402
+import npllama.engine.decode  # noqa: E402
+from npllama.engine.blas import blas_threads  # noqa: E402
 from npllama.generate import generate_batch  # noqa: E402
 
 STORIES_CONFIG = dict(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, hidden_dim=172,
@@ -200,8 +200,8 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"bench_decode needs torch ({e}); pip install -e '.[torch]'", file=sys.stderr)
         return 2
-    # measure 1 and 2 BLAS threads as set here, not generate's own choice (DECODE_BLAS_THREADS = 1)
-    npllama.generate.DECODE_BLAS_THREADS = None
+    # measure 1 and 2 BLAS threads as set here, not the engine's own choice (DECODE_BLAS_THREADS = 1)
+    npllama.engine.decode.DECODE_BLAS_THREADS = None
 
     rows = []
     for case in args.cases:

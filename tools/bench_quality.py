@@ -44,10 +44,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from npllama import data as data_mod  # noqa: E402
-from npllama.model import Llama  # noqa: E402
+from npllama import Llama  # noqa: E402
+from npllama.train import data as data_mod  # noqa: E402
 from npllama.optim import AdamW, lr_at  # noqa: E402
-from npllama.train import PRESETS, estimate_loss, prepare_data, preset, train_step  # noqa: E402
+from npllama.train.config import PRESETS, preset  # noqa: E402
+from npllama.train.data import prepare_data  # noqa: E402
+from npllama.train.loop import estimate_loss, train_step  # noqa: E402
 
 
 class Side:

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 import npllama
-from npllama.blas import get_blas_threads, set_blas_threads
+from npllama.engine.blas import get_blas_threads, set_blas_threads
 
 CONFIGS = {
     "small": (dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=65, max_seq_len=128), 32, 128),

@@ -44,7 +44,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import npllama  # noqa: E402
-from npllama.checkpoint import CheckpointError, read_safetensors  # noqa: E402
+from npllama.io import CheckpointError  # noqa: E402
+from npllama.io.safetensors import read_safetensors  # noqa: E402
 
 REFERENCE_NAME = "reference_logits.safetensors"
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from crosscheck import REFERENCE_NAME, fixed_prompts  # noqa: E402
-from npllama.checkpoint import write_safetensors_atomic  # noqa: E402
+from npllama.io.safetensors import write_safetensors_atomic  # noqa: E402
 
 _EXACT_ATTENTION = "npllama_eager_dtype_exact"
 

@@ -24,7 +24,7 @@ from .cross_entropy import IGNORE_INDEX, cross_entropy_backward, cross_entropy_f
 from .embedding import embedding_backward, embedding_forward
 from .linear import linear_backward, linear_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
-from .rope import rope_backward, rope_forward, rope_tables
+from .rope import rope_backward, rope_forward, rope_frequencies, rope_tables
 from .swiglu import swiglu_backward, swiglu_forward
 
 __all__ = [
@@ -33,6 +33,6 @@ __all__ = [
     "embedding_forward", "embedding_backward",
     "linear_forward", "linear_backward",
     "rmsnorm_forward", "rmsnorm_backward",
-    "rope_tables", "rope_forward", "rope_backward",
+    "rope_frequencies", "rope_tables", "rope_forward", "rope_backward",
     "swiglu_forward", "swiglu_backward",
 ]

@@ -20,8 +20,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..blas import blas_threads
-
 
 class AttentionCache(NamedTuple):
     q_scaled: np.ndarray     # (B, KVH, R*T, Dh) q / sqrt(Dh), grouped rows
@@ -44,8 +42,9 @@ def attention_forward(q, k, v, mask=None):
     Inputs:  q (B, H, T, Dh); k, v (B, KVH, S, Dh) with H % KVH == 0 and S >= T;
              mask: None for causal, or booleans broadcasting to (B, T, S), True = may attend
              (used for left-padded batches; every row must allow at least one key).
-    Returns: out (B, H, T, Dh); cache (q / sqrt(Dh), k, v, att). att is cached, not recomputed:
-             recomputing it would cost the two largest matmuls again.
+    Returns: out (B, H, T, Dh); cache (q / sqrt(Dh), k, v, att, out, 1 / sqrt(Dh), R), see
+             AttentionCache. att is cached, not recomputed: recomputing it would cost the two
+             largest matmuls again; out is cached for the softmax backward's row sums.
     """
     B, H, T, Dh = q.shape
     KVH, S = k.shape[1], k.shape[2]
@@ -53,10 +52,8 @@ def attention_forward(q, k, v, mask=None):
     R = H // KVH
     scale = 1.0 / math.sqrt(Dh)
     # 1. scaled scores, one matmul per (batch, kv head): the R query heads of a group as rows.
-    #    These batched matmuls are many small GEMMs: one BLAS thread is faster (see blas.py).
     q_scaled = q.reshape(B, KVH, R * T, Dh) * scale              # (B, H, T, Dh) -> (B, KVH, R*T, Dh)
-    with blas_threads(1):
-        scores = q_scaled @ k.swapaxes(-1, -2)                   # -> (B, KVH, R*T, S)
+    scores = q_scaled @ k.swapaxes(-1, -2)                       # -> (B, KVH, R*T, S)
     # 2. mask the future with -inf (an additive bias: one pass, and exp(-inf) is exactly 0).
     #    A single query (decoding) is the newest position: every key is in its past.
     if mask is not None or T > 1:
@@ -71,8 +68,7 @@ def attention_forward(q, k, v, mask=None):
     att = np.exp(scores, out=scores)
     att /= att.sum(axis=-1, keepdims=True)
     # 4. weighted sum of values.
-    with blas_threads(1):
-        out = att @ v                                            # (B, KVH, R*T, S) @ (B, KVH, S, Dh)
+    out = att @ v                                                # (B, KVH, R*T, S) @ (B, KVH, S, Dh)
     return out.reshape(B, H, T, Dh), AttentionCache(q_scaled, k, v, att, out, scale, R)
 
 
@@ -91,9 +87,8 @@ def attention_backward(dout, cache):
     B, KVH, RT, Dh = q_scaled.shape
     dout = dout.reshape(B, KVH, RT, Dh)                          # (B, H, T, Dh) -> (B, KVH, R*T, Dh)
     # undo 4: out = att @ v
-    with blas_threads(1):
-        dv = att.swapaxes(-1, -2) @ dout                         # (B, KVH, S, R*T) @ (B, KVH, R*T, Dh)
-        datt = dout @ v.swapaxes(-1, -2)                         # -> (B, KVH, R*T, S)
+    dv = att.swapaxes(-1, -2) @ dout                             # (B, KVH, S, R*T) @ (B, KVH, R*T, Dh)
+    datt = dout @ v.swapaxes(-1, -2)                             # -> (B, KVH, R*T, S)
     # undo 3: the softmax, in place: dscores = att * (datt - rowsum(datt * att)). The row sum
     # equals rowsum(dout * out), since datt = dout @ v^T and out = att @ v (FlashAttention-2's D):
     # a sum over Dh instead of over S, and no (R*T, S) temporary.
@@ -101,7 +96,6 @@ def attention_backward(dout, cache):
     dscores = np.multiply(datt, att, out=datt)
     # undo 2: the mask added a constant, so it passes gradients through (they are 0 there anyway).
     # undo 1: scores = q_scaled @ k^T
-    with blas_threads(1):
-        dq = (dscores @ k) * scale                               # (B, KVH, R*T, S) @ (B, KVH, S, Dh)
-        dk = dscores.swapaxes(-1, -2) @ q_scaled                 # (B, KVH, S, R*T) @ (B, KVH, R*T, Dh)
+    dq = (dscores @ k) * scale                                   # (B, KVH, R*T, S) @ (B, KVH, S, Dh)
+    dk = dscores.swapaxes(-1, -2) @ q_scaled                     # (B, KVH, S, R*T) @ (B, KVH, R*T, Dh)
     return dq.reshape(B, KVH * R, RT // R, Dh), dk, dv

@@ -43,7 +43,8 @@ def rmsnorm_backward(dy, cache):
 
     With g = dy * w:   dw = sum over leading axes of (dy * n)
                        dx = r * (g - n * mean(g * n))          (mean over the last axis)
-    The second term is dr's contribution: dr/dx = -r**3 * x / D, i.e. -r * n / D.
+    The second term is r's contribution: dr/dx_j = -r**3 * x_j / D = -r**2 * n_j / D, so
+    sum_j g_j * x_j * dr/dx_i = -r * n_i * mean(g * n).
     Shapes: dy (..., D) -> dx (..., D), dweight (D,)
     """
     x, weight, rstd = cache

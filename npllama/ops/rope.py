@@ -21,14 +21,21 @@ class RoPECache(NamedTuple):
     sin: np.ndarray
 
 
+def rope_frequencies(head_dim, theta=10000.0):
+    """theta_i = theta ** (-2i / Dh) for i in [0, Dh/2), in float64: the angle per position of pair i.
+
+    (Meta's precompute_freqs_cis; Hugging Face stores the same numbers as rotary_emb.inv_freq.)
+    """
+    return 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)        # (Dh/2,)
+
+
 def rope_tables(head_dim, max_seq_len, theta=10000.0, dtype=np.float32):
     """cos and sin of p * theta_i for p in [0, max_seq_len), i in [0, Dh/2).
 
     Computed in float64 and rounded once to `dtype`, so a float32 table is correctly rounded.
     Returns: cos, sin, each (max_seq_len, Dh/2)
     """
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # (Dh/2,)
-    angles = np.outer(np.arange(max_seq_len, dtype=np.float64), inv_freq)                # (P, Dh/2)
+    angles = np.outer(np.arange(max_seq_len, dtype=np.float64), rope_frequencies(head_dim, theta))  # (P, Dh/2)
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
 

@@ -2,10 +2,8 @@
 
     y = silu(a) * b,   silu(a) = a * s,   s = sigmoid(a) = 1 / (1 + exp(-a))
 
-In the block, a = x @ w1.T (the gate) and b = x @ w3.T (up) come out of one GEMM stacked on
-the last axis, ab = [a | b], and y goes through w2 (down): Meta model.py FeedForward,
-w2(F.silu(w1(x)) * w3(x)). The op takes that stacked array and returns its gradient in the
-same layout, so the model's one backward GEMM reads it with no copy.
+In the block, a = x @ w1.T is the gate and b = x @ w3.T the up projection, and y goes through
+w2 (down): Meta model.py FeedForward, w2(F.silu(w1(x)) * w3(x)).
 """
 
 from typing import NamedTuple
@@ -19,7 +17,8 @@ class SwiGLUCache(NamedTuple):
     silu: np.ndarray         # (..., F) a * sigmoid(a)
 
 
-def _sigmoid(a):
+def sigmoid(a):
+    """1 / (1 + exp(-a)), a new array of a's shape and dtype."""
     # exp(-a) overflows to inf for very negative a (below about -88 in float32); 1 / inf = 0 is
     # the right limit, so the warning is noise.
     with np.errstate(over="ignore"):
@@ -28,35 +27,32 @@ def _sigmoid(a):
         return np.reciprocal(s, out=s)
 
 
-def swiglu_forward(ab):
-    """y = silu(a) * b with [a | b] = ab.
+def swiglu_forward(a, b):
+    """y = silu(a) * b.
 
-    Inputs:  ab (..., 2F), gate a = ab[..., :F] and up b = ab[..., F:]
+    Inputs:  a (..., F) gate; b (..., F) up
     Returns: y (..., F), cache (b, sigmoid(a), silu(a)). Caching s and silu(a) rather than a costs
              one more (..., F) array and saves recomputing an exp and two products in backward.
     """
-    F = ab.shape[-1] // 2
-    a, b = ab[..., :F], ab[..., F:]                             # (..., 2F) -> 2 x (..., F)
-    s = _sigmoid(a)
+    s = sigmoid(a)
     silu = a * s
     return silu * b, SwiGLUCache(b, s, silu)
 
 
-def swiglu_backward(dy, cache):
+def swiglu_backward(dy, cache, out=None):
     """With s = sigmoid(a), and silu'(a) = s + a * s * (1 - s) = s + silu(a) * (1 - s):
 
         da = dy * b * (s + silu(a) * (1 - s))
         db = dy * silu(a)
-    Shapes: dy (..., F) -> dab (..., 2F), [da | db]
+    Shapes: dy (..., F) -> da (..., F), db (..., F)
+    out: optional (da, db) arrays to write into (the engine passes the two halves of one array).
     """
     b, s, silu = cache
-    F = s.shape[-1]
-    dab = np.empty((*s.shape[:-1], 2 * F), dtype=dy.dtype)
-    da, db = dab[..., :F], dab[..., F:]
+    da, db = (np.empty_like(dy), np.empty_like(dy)) if out is None else out
     np.multiply(dy, silu, out=db)
     np.subtract(1.0, s, out=da)
     da *= silu
     da += s
     da *= b
     da *= dy
-    return dab
+    return da, db

@@ -1,7 +1,8 @@
 """Training checkpoints: everything `npllama train --resume` needs, in ONE .safetensors file.
 
-Layout (written atomically by checkpoint.write_safetensors_atomic: temp file beside the
-target, fsync, os.replace -- a kill mid-write leaves the previous checkpoint as it was):
+Layout (written atomically by io.safetensors.write_safetensors_atomic: temp file beside the
+target, fsync, os.replace -- a kill mid-write leaves the previous checkpoint as it was; the
+metadata keys are io.metadata's):
 
   tensors   <Meta name>                       the model's parameters, in the model's dtype
             optimizer.exp_avg.<Meta name>     AdamW first moment m
@@ -30,14 +31,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .checkpoint import read_safetensors, read_safetensors_header, write_safetensors_atomic
-from .config import LlamaConfig
-from .model import Llama
-from .optim import AdamW
-from .tokenizers import tokenizer_from_json
+from ..io.metadata import (OPTIMIZER_PREFIX, TRAIN_STATE_KEY, config_from_metadata, model_metadata,
+                           tokenizer_from_metadata)
+from ..io.safetensors import read_safetensors, read_safetensors_header, write_safetensors_atomic
+from ..llama import Llama
+from ..optim import AdamW
 
+CHECKPOINT_NAME = "ckpt.safetensors"
 FORMAT_VERSION = 1
-STATE_KEY = "npllama_train_state"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _HYPERS = ("step", "lr", "beta1", "beta2", "eps", "weight_decay")
 
@@ -66,23 +67,20 @@ def save_train_checkpoint(path, model: Llama, tokenizer, optimizer: AdamW, state
     tensors = dict(model.params)
     for kind in _MOMENTS:
         for name in model.params:
-            tensors[f"optimizer.{kind}.{name}"] = sd[f"{kind}.{name}"]
+            tensors[f"{OPTIMIZER_PREFIX}{kind}.{name}"] = sd[f"{kind}.{name}"]
     full_state = {"version": FORMAT_VERSION, **state, "optimizer": {k: sd[k] for k in _HYPERS}}
-    metadata = {"npllama_config": model.config.to_json(),
-                STATE_KEY: json.dumps(full_state, sort_keys=True)}
-    if tokenizer is not None:
-        metadata["npllama_tokenizer"] = tokenizer.to_json()
+    metadata = {**model_metadata(model.config, tokenizer), TRAIN_STATE_KEY: json.dumps(full_state, sort_keys=True)}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors_atomic(path, tensors, metadata)
     return path
 
 
 def _parse_state(path: Path, metadata: dict) -> dict:
-    if STATE_KEY not in metadata:
-        raise ValueError(f"{path} holds model weights but no training state ({STATE_KEY!r}); "
+    if TRAIN_STATE_KEY not in metadata:
+        raise ValueError(f"{path} holds model weights but no training state ({TRAIN_STATE_KEY!r}); "
                          "it cannot be resumed (it can still be loaded with npllama.load)")
     try:
-        state = json.loads(metadata[STATE_KEY])
+        state = json.loads(metadata[TRAIN_STATE_KEY])
     except ValueError as e:
         raise ValueError(f"{path}: the training state is not valid JSON ({e}); the file is damaged") from None
     if not isinstance(state, dict) or state.get("version") != FORMAT_VERSION:
@@ -117,18 +115,14 @@ def load_train_checkpoint(path) -> TrainCheckpoint:
     _require_file(path)
     tensors, metadata = read_safetensors(path)
     state = _parse_state(path, metadata)
-    try:
-        config = LlamaConfig.from_json(metadata["npllama_config"])
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{path}: no usable model config in the metadata ({e}); the file is not an "
-                         "npllama training checkpoint") from None
-    tokenizer = tokenizer_from_json(metadata["npllama_tokenizer"]) if "npllama_tokenizer" in metadata else None
-    params = {n: t for n, t in tensors.items() if not n.startswith("optimizer.")}
+    config = config_from_metadata(metadata, str(path))
+    tokenizer = tokenizer_from_metadata(metadata, str(path))
+    params = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
     model = Llama.from_params(config, params)      # checks names and shapes, keeps the dtype
     model.tokenizer = tokenizer
     optimizer_state = dict(state["optimizer"])
     for kind in _MOMENTS:
-        prefix = f"optimizer.{kind}."
+        prefix = f"{OPTIMIZER_PREFIX}{kind}."
         for name, t in tensors.items():
             if name.startswith(prefix):
                 optimizer_state[f"{kind}.{name[len(prefix):]}"] = t

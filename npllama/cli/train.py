@@ -16,9 +16,11 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from .cli_args import number
-from .train import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INTS, PRESETS, STRUCTURAL_FIELDS, TrainConfig,
-                    parse_duration, preset, train)
+from ..train.checkpoint import CHECKPOINT_NAME, load_train_state
+from ..train.config import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INTS, PRESETS, TrainConfig, parse_duration,
+                            preset)
+from ..train.loop import train
+from .args import number
 
 
 def _duration(text: str) -> float:
@@ -102,15 +104,10 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     base = preset(args.preset)
     if not given.get("resume"):
         return base.replace(**given)
-    from .train import CHECKPOINT_NAME
-    from .train_checkpoint import load_train_state
+    # resuming: the saved run's settings, then the flags given now (train() refuses the flags
+    # that would change the model or the data)
     ckpt = Path(given.get("out_dir", base.out_dir)) / CHECKPOINT_NAME
-    saved = TrainConfig.from_dict(load_train_state(ckpt)["train_config"])
-    changed = [f"--{n.replace('_', '-')}" for n in STRUCTURAL_FIELDS if n in given and given[n] != getattr(saved, n)]
-    if changed:
-        raise ValueError(f"--resume cannot change {', '.join(changed)}: they define the model and the data of "
-                         f"{ckpt}; drop them, or train a new model in another --out-dir")
-    return saved.replace(**given)
+    return TrainConfig.from_dict(load_train_state(ckpt)["train_config"]).replace(**given)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,6 +14,8 @@ import ctypes
 import os
 from contextlib import contextmanager
 
+import numpy  # noqa: F401  (its BLAS must be loaded before we look for it)
+
 _SYMBOL_PAIRS = [  # (set, get) across OpenBLAS builds: plain, 64-bit-int, NumPy's scipy-openblas
     ("openblas_set_num_threads", "openblas_get_num_threads"),
     ("openblas_set_num_threads64_", "openblas_get_num_threads64_"),
@@ -25,7 +27,6 @@ _SYMBOL_PAIRS = [  # (set, get) across OpenBLAS builds: plain, 64-bit-int, NumPy
 def _find_openblas():
     """(set, get) functions of the OpenBLAS that NumPy loaded, or None."""
     try:
-        import numpy  # noqa: F401  (makes sure its BLAS is loaded before we look)
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "openblas" in line.lower()}
     except OSError:
@@ -59,8 +60,8 @@ def set_blas_threads(n: int) -> None:
 
 @contextmanager
 def blas_threads(n: int):
-    """Run the block with at most n BLAS threads, then restore the previous count."""
-    if _OPENBLAS is None:
+    """Run the block with at most n BLAS threads, then restore the previous count (None: leave it)."""
+    if _OPENBLAS is None or n is None:
         yield
         return
     previous = _OPENBLAS[1]()

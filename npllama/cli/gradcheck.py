@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 
-from . import ops
-from .cli_args import number
-from .config import LlamaConfig
-from .gradcheck import gradcheck, numerical_grad, rel_error
-from .model import Llama
+from .. import model as reference, ops
+from ..config import LlamaConfig
+from ..gradcheck import gradcheck, numerical_grad, rel_error
+from ..model import init_params
+from .args import number
 
 
 def op_checks(rng, B, T, H, KVH, Dh, F, V):
@@ -37,7 +37,8 @@ def op_checks(rng, B, T, H, KVH, Dh, F, V):
         ("attention (GQA, causal)", ops.attention_forward, ops.attention_backward,
          [rng.standard_normal((B, H, T, Dh)), rng.standard_normal((B, KVH, T, Dh)),
           rng.standard_normal((B, KVH, T, Dh))]),
-        ("swiglu", ops.swiglu_forward, ops.swiglu_backward, [rng.standard_normal((B, T, 2 * F))]),
+        ("swiglu", ops.swiglu_forward, ops.swiglu_backward,
+         [rng.standard_normal((B, T, F)), rng.standard_normal((B, T, F))]),
         ("cross-entropy", lambda z: (ops.cross_entropy_forward(z, targets)[0], ops.cross_entropy_forward(z, targets)[1]),
          ops.cross_entropy_backward, [rng.standard_normal((B, T, V))]),
     ]
@@ -51,16 +52,16 @@ def run(args) -> int:
     print(f"config: {cfg}")
     B, T = args.batch_size, args.seq_len
     print(f"\n1. forward pass (float64): tokens ({B}, {T}) -> logits ({B}, {T}, {cfg.vocab_size})")
-    model = Llama(cfg, seed=args.seed, dtype=np.float64)
+    params = init_params(cfg, seed=args.seed, dtype=np.float64)
     # Weights far larger than the 0.02 init: there, q and k gradients are ~1e-8, below what central
     # differences (noise ~1e-10) can certify to 1e-6.
-    for p in model.params.values():
+    for p in params.values():
         p += rng.standard_normal(p.shape) * 0.3
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     targets = np.roll(tokens, -1, axis=1)
     targets[:, -1] = ops.IGNORE_INDEX
     t0 = time.perf_counter()
-    loss, grads = model.loss_and_grads(tokens, targets)
+    loss, grads = reference.loss_and_grads(params, cfg, tokens, targets)
     print(f"   loss {loss:.6f} (ln V = {np.log(cfg.vocab_size):.6f} for a uniform guess), "
           f"forward + backward {1e3 * (time.perf_counter() - t0):.1f} ms")
 
@@ -78,9 +79,9 @@ def run(args) -> int:
         print(f"   {name:<24} relative error " + "  ".join(f"{e:.1e}" for e in errors))
 
     print(f"\n3. whole model: {args.entries} entries of every parameter, loss differences, h = 1e-6")
-    for name, p in model.params.items():
+    for name, p in params.items():
         picks = rng.choice(p.size, size=min(args.entries, p.size), replace=False)
-        numeric = numerical_grad(lambda: model.loss_and_grads(tokens, targets)[0], p, indices=picks)
+        numeric = numerical_grad(lambda: reference.loss_and_grads(params, cfg, tokens, targets)[0], p, indices=picks)
         err = rel_error(grads[name].reshape(-1)[picks], numeric.reshape(-1)[picks])
         worst = max(worst, err)
         print(f"   {name:<36} {str(p.shape):<10} relative error {err:.1e}")

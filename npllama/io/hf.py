@@ -48,7 +48,7 @@ import re
 
 import numpy as np
 
-from .config import LlamaConfig
+from ..config import LlamaConfig
 
 # ----------------------------------------------------------------------------- names
 
@@ -77,24 +77,23 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _META_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
+def _rename(name: str, whole: dict, layer_pattern: re.Pattern, per_layer: dict, layer_prefix: str) -> str | None:
+    if name in whole:
+        return whole[name]
+    m = layer_pattern.match(name)
+    if m and m.group(2) in per_layer:
+        return f"{layer_prefix}{int(m.group(1))}.{per_layer[m.group(2)]}"
+    return None
+
+
 def hf_to_meta_name(name: str) -> str | None:
     """Meta name of a Hugging Face parameter name, or None when it is not a LLaMA parameter."""
-    if name in HF_TO_META_GLOBAL:
-        return HF_TO_META_GLOBAL[name]
-    m = _HF_LAYER.match(name)
-    if m and m.group(2) in HF_TO_META_LAYER:
-        return f"layers.{int(m.group(1))}.{HF_TO_META_LAYER[m.group(2)]}"
-    return None
+    return _rename(name, HF_TO_META_GLOBAL, _HF_LAYER, HF_TO_META_LAYER, "layers.")
 
 
 def meta_to_hf_name(name: str) -> str | None:
     """Hugging Face name of a Meta parameter name, or None when it is not a LLaMA parameter."""
-    if name in META_TO_HF_GLOBAL:
-        return META_TO_HF_GLOBAL[name]
-    m = _META_LAYER.match(name)
-    if m and m.group(2) in META_TO_HF_LAYER:
-        return f"model.layers.{int(m.group(1))}.{META_TO_HF_LAYER[m.group(2)]}"
-    return None
+    return _rename(name, META_TO_HF_GLOBAL, _META_LAYER, META_TO_HF_LAYER, "model.layers.")
 
 
 def is_hf_name(name: str) -> bool:
@@ -138,22 +137,6 @@ def _heads_for(meta_name: str, cfg: LlamaConfig) -> int | None:
     if meta_name.endswith(".attention.wk.weight"):
         return cfg.n_kv_heads
     return None
-
-
-def hf_to_meta(tensors: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.ndarray]:
-    """Rename HF tensors to Meta names and un-permute q_proj/k_proj rows.
-
-    Names that are not LLaMA parameters are an error here; callers that want to report them
-    together with missing/misshapen tensors split them off first with hf_to_meta_name.
-    """
-    out = {}
-    for name, w in tensors.items():
-        meta = hf_to_meta_name(name)
-        if meta is None:
-            raise KeyError(f"{name!r} is not a Hugging Face LlamaForCausalLM parameter name")
-        n = _heads_for(meta, cfg)
-        out[meta] = permute_hf_to_meta(w, n) if n is not None else w
-    return out
 
 
 def meta_to_hf(params: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.ndarray]:
@@ -219,12 +202,11 @@ def _rope_theta(d: dict) -> float:
     return float(_HF_DEFAULTS["rope_theta"] if theta is None else theta)
 
 
-def hf_config_to_llama(d: dict, *, max_seq_len: int | None = None) -> LlamaConfig:
+def hf_config_to_llama(d: dict) -> LlamaConfig:
     """LlamaConfig from a Hugging Face config.json dict (LlamaForCausalLM).
 
     Refuses, naming the field: model_type other than "llama", hidden_act other than "silu",
     attention_bias/mlp_bias true, rope scaling, head_dim != hidden_size / num_attention_heads.
-    max_seq_len overrides max_position_embeddings (4096 for Llama 2 makes big RoPE tables).
     """
     if not isinstance(d, dict):
         raise UnsupportedConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
@@ -258,8 +240,7 @@ def hf_config_to_llama(d: dict, *, max_seq_len: int | None = None) -> LlamaConfi
         n_heads=heads, n_kv_heads=kv_heads, vocab_size=d["vocab_size"],
         norm_eps=d.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"]),
         rope_theta=_rope_theta(d),
-        max_seq_len=max_seq_len if max_seq_len is not None
-        else d.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]),
+        max_seq_len=d.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]),
         tie_embeddings=d.get("tie_word_embeddings", _HF_DEFAULTS["tie_word_embeddings"]),
     )
     try:
@@ -310,8 +291,3 @@ def llama_to_hf_config(cfg: LlamaConfig, *, torch_dtype: str = "float32",
     if eos_id is not None:
         d["eos_token_id"] = int(eos_id)
     return d
-
-
-def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
-    """theta_j = theta ** (-2j / Dh), j = 0 .. Dh/2-1, in float64 (the buffer HF calls inv_freq)."""
-    return 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))

@@ -21,9 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli_args import number
+from ..generate import generate_stream
+from ..io import load
+from ..tokenizers import SentencePieceTokenizer
+from .args import number
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "weights" / "shakespeare-char.safetensors"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "weights" / "shakespeare-char.safetensors"
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -100,9 +103,6 @@ _UNSTATED_DEFAULTS = dict(model=None, prompt="", prompt_ids=None, max_new_tokens
 
 
 def _load(args):
-    import npllama
-    from .tokenizers import SentencePieceTokenizer
-
     path = Path(args.model) if args.model else DEFAULT_MODEL
     if not path.exists():
         if args.model:
@@ -110,7 +110,7 @@ def _load(args):
                                     "folder or a llama2.c .bin")
         raise FileNotFoundError(f"no --model given and the default model {path} is not there; train it with "
                                 "`npllama train` (it writes weights/shakespeare-char.safetensors) or pass --model PATH")
-    model = npllama.load(path, dtype=np.dtype(args.dtype))
+    model = load(path, dtype=np.dtype(args.dtype))
     tokenizer = getattr(model, "tokenizer", None)
     if args.tokenizer:
         tokenizer = SentencePieceTokenizer.from_file(args.tokenizer)
@@ -170,8 +170,6 @@ class StopStrings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .generate import generate_stream
-
     for name, value in _UNSTATED_DEFAULTS.items():
         if not hasattr(args, name):
             setattr(args, name, value)
@@ -241,19 +239,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"[npllama generate] no tokens generated ({elapsed:.2f} s)", file=sys.stderr)
     return 0
-
-
-def main(argv=None) -> int:
-    """`python -m npllama.cli_generate ...`, the same as `npllama generate ...`."""
-    parser = argparse.ArgumentParser(prog="npllama")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["generate", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"npllama generate: error: {e}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import cli_generate, cli_gradcheck, cli_train
+from . import generate, gradcheck, plot, train
 
-SUBCOMMANDS = [cli_gradcheck, cli_train, cli_generate]
+SUBCOMMANDS = [gradcheck, train, generate, plot]
 
 
 def build_parser() -> argparse.ArgumentParser:

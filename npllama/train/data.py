@@ -20,13 +20,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from .atomic import write_atomic
+from ..checks import check_int, check_real
+from ..io.atomic import write_atomic
+from ..tokenizers import CharTokenizer, train_sentencepiece
+from .config import TrainConfig
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -162,8 +168,7 @@ def split(ids: np.ndarray, train_fraction: float = 0.9) -> tuple[np.ndarray, np.
 
 
 def _check_fraction(f: float) -> None:
-    if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0.0 < f < 1.0:
-        raise ValueError(f"train_fraction={f!r} must be a number strictly between 0 and 1")
+    check_real("train_fraction", f, 0.0, 1.0, low_open=True, high_open=True)
 
 
 def get_batch(ids: np.ndarray, batch_size: int, seq_len: int,
@@ -178,9 +183,8 @@ def get_batch(ids: np.ndarray, batch_size: int, seq_len: int,
     ids = np.asarray(ids)
     if ids.ndim != 1:
         raise ValueError(f"ids must be a 1-D array of token ids, got shape {ids.shape}")
-    for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
+    check_int("batch_size", batch_size, 1)
+    check_int("seq_len", seq_len, 1)
     if len(ids) <= seq_len:
         raise ValueError(f"{len(ids)} tokens cannot give a window of seq_len={seq_len} plus its target; "
                          "use a shorter --seq-len or more text")
@@ -188,3 +192,48 @@ def get_batch(ids: np.ndarray, batch_size: int, seq_len: int,
     idx = starts[:, None] + np.arange(seq_len + 1)            # (B,) -> (B, T + 1)
     window = ids[idx]
     return window[:, :-1], window[:, 1:]
+
+
+# ---- the corpus of a training run -------------------------------------------------------------------
+
+
+@dataclass
+class Corpus:
+    """The text, its tokenizer and the two token streams."""
+    text_path: Path
+    text_sha256: str
+    tokenizer: object
+    train_ids: np.ndarray        # (N_train,) int32
+    val_ids: np.ndarray          # (N_val,) int32
+
+
+def prepare_data(cfg: TrainConfig, tokenizer=None, log: Callable[[str], None] = print) -> Corpus:
+    """Load the text, split it, build (or reuse) the tokenizer on the training part, encode both parts.
+
+    The BPE model is trained on the training split only, so validation text is never seen.
+    A char tokenizer takes the characters of the whole text (the validation part may hold
+    a character the training part lacks; nanoGPT does the same).
+    """
+    path = find_text(cfg.data)
+    text = load_text(path)
+    sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    train_text, val_text = split_text(text, cfg.train_fraction)
+    if tokenizer is None:
+        if cfg.tokenizer == "char":
+            tokenizer = CharTokenizer.from_text(text)
+            if cfg.vocab_size and cfg.vocab_size != tokenizer.vocab_size:
+                raise ValueError(f"--vocab-size={cfg.vocab_size} but the text has {tokenizer.vocab_size} distinct "
+                                 "characters; --vocab-size applies to --tokenizer bpe only (leave it at 0)")
+        else:
+            vocab_size = cfg.vocab_size or 1024
+            log(f"training a {vocab_size}-token sentencepiece BPE model on the training split ...")
+            t0 = time.perf_counter()
+            tokenizer = train_sentencepiece(train_text, vocab_size, seed=cfg.seed)
+            log(f"  done in {time.perf_counter() - t0:.1f}s")
+    train_ids = np.asarray(tokenizer.encode(train_text), dtype=np.int32)
+    val_ids = np.asarray(tokenizer.encode(val_text), dtype=np.int32)
+    for name, ids in (("training", train_ids), ("validation", val_ids)):
+        if len(ids) <= cfg.seq_len:
+            raise ValueError(f"the {name} split has {len(ids)} tokens, not enough for one window of --seq-len="
+                             f"{cfg.seq_len}; use more text, a shorter --seq-len or another --train-fraction")
+    return Corpus(path, sha, tokenizer, train_ids, val_ids)

@@ -49,3 +49,8 @@ def write_atomic(path, write, suffix: str = ".tmp") -> None:
             pass
         raise
     _fsync_dir(directory)
+
+
+def write_bytes_atomic(path, data: bytes) -> None:
+    """write_atomic for bytes already in memory (a config.json, a tokenizer file)."""
+    write_atomic(path, lambda f: f.write(data))

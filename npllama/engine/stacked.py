@@ -1,0 +1,47 @@
+"""Stacked weights: projections that read the same input, concatenated so each runs as one GEMM.
+
+[wq; wk; wv] all read the attention norm's output and [w1; w3] the feed-forward norm's, so
+stacking them along the output axis turns three (or two) matmuls into one, saves passes over
+the activations, and in backward the one GEMM dx = dy @ W also sums the branches' gradients.
+Built from the reference's own tables (npllama.model.layer_weights), so the names and the
+order of the blocks are defined once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..config import LlamaConfig
+from ..model import LayerWeights, layer_weights
+
+
+class StackedLayer(NamedTuple):
+    """One block's weights as the engine uses them."""
+    attention_norm: np.ndarray   # (D,)
+    wqkv: np.ndarray             # ((H + 2 KVH) Dh, D): [wq; wk; wv]
+    wo: np.ndarray               # (D, H*Dh)
+    ffn_norm: np.ndarray         # (D,)
+    w13: np.ndarray              # (2F, D): [w1; w3], gate then up
+    w2: np.ndarray               # (D, F)
+
+
+def stack_layer(w: LayerWeights) -> StackedLayer:
+    """Stack [wq; wk; wv] and [w1; w3]: a copy of those matrices (the others are the params themselves)."""
+    return StackedLayer(w.attention_norm, np.concatenate((w.wq, w.wk, w.wv)), w.wo,
+                        w.ffn_norm, np.concatenate((w.w1, w.w3)), w.w2)
+
+
+def stack_layers(params: dict, config: LlamaConfig) -> list[StackedLayer]:
+    """Every block's weights, stacked: once per training step or generation, not once per call."""
+    return [stack_layer(layer_weights(params, i)) for i in range(config.n_layers)]
+
+
+def unstack(g: StackedLayer, n_heads: int, n_kv_heads: int) -> LayerWeights:
+    """A StackedLayer (of weights or gradients) split back into the reference's LayerWeights (views)."""
+    Dh = g.wo.shape[1] // n_heads
+    F = g.w2.shape[1]
+    q_end, k_end = n_heads * Dh, (n_heads + n_kv_heads) * Dh
+    return LayerWeights(g.attention_norm, g.wqkv[:q_end], g.wqkv[q_end:k_end], g.wqkv[k_end:], g.wo,
+                        g.ffn_norm, g.w13[:F], g.w2, g.w13[F:])

@@ -1,0 +1,382 @@
+"""Weights in and out: safetensors (Meta or Hugging Face names), HF folders, llama2.c .bin files.
+
+    model = npllama.load(path, dtype=np.float32)
+    npllama.save(model, path, format="hf")      # or format="meta"
+
+What `load` accepts (the first match wins):
+
+    a folder           Hugging Face LlamaForCausalLM: config.json plus model.safetensors, or shards
+                       listed in model.safetensors.index.json; tokenizer.model, when present,
+                       becomes model.tokenizer
+    *.safetensors      Meta or HF names; the config comes from the metadata key "npllama_config"
+                       (save(format="meta") and training checkpoints write it) or from a
+                       config.json beside the file (HF keys, or LlamaConfig.to_json keys)
+    *.bin              llama2.c: legacy v0 (7 int32 header) or v1 ("ak42" magic, 256-byte header),
+                       float32 little-endian; layouts in io/llama2c.py
+    pickle files       (.pt, .pth, .ckpt, .pkl, pytorch_model*.bin, or any file starting with a
+                       pickle/zip magic) are refused without being unpickled (io/pickles.py)
+
+Before any array is used, load compares the file with the config: fields the tensors
+contradict (dim, vocab_size, n_layers, hidden_dim, n_kv_heads, tie_embeddings) are named first,
+then every missing, unexpected and misshapen tensor at once. Hugging Face q_proj/k_proj rows are
+un-permuted into Meta's RoPE layout (io/hf.py). float16 and bfloat16 are upcast; everything is
+cast to the requested dtype. Tensors that are derived data or optimizer state are skipped
+knowingly, never silently: HF `rotary_emb.inv_freq` and Meta `rope.freqs` (checked against
+rope_theta first), and the optimizer moments of a training checkpoint (io/metadata.py).
+Every file save writes goes through io/atomic.py: replaced whole or left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from ..checks import check_dtype
+from ..config import LlamaConfig
+from ..llama import Llama
+from ..ops import rope_frequencies
+from ..tokenizers import SentencePieceTokenizer
+from .atomic import write_bytes_atomic
+from .errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError, PICKLE_HINT
+from .hf import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_meta_name, is_hf_name, llama_to_hf_config,
+                 meta_to_hf, meta_to_hf_name, permute_hf_to_meta)
+from .llama2c import read_llama2c
+from .metadata import (CONFIG_KEY, OPTIMIZER_PREFIX, TOKENIZER_KEY, config_from_metadata, is_training_checkpoint,
+                       model_metadata, tokenizer_from_metadata)
+from .pickles import looks_pickled_name, refuse_pickle_magic, refuse_pickle_name
+from .safetensors import f32_to_bf16, read_safetensors, write_safetensors_atomic
+
+
+# ----------------------------------------------------------------------------- config vs tensors
+
+def _field(name: str, hf: bool) -> str:
+    return f"{name} (config.json {HF_FIELD[name]})" if hf else name
+
+
+def _check_config_against(cfg: LlamaConfig, shapes: dict[str, tuple], hf: bool, display) -> None:
+    """Raise ConfigMismatchError naming every config field the tensor shapes contradict."""
+    problems = []
+    emb = shapes.get("tok_embeddings.weight")
+    if emb is not None and len(emb) == 2:
+        if emb[1] != cfg.dim:
+            problems.append(f"{_field('dim', hf)}={cfg.dim} but {display('tok_embeddings.weight')} is {emb}, "
+                            f"i.e. dim={emb[1]}")
+        if emb[0] != cfg.vocab_size:
+            problems.append(f"{_field('vocab_size', hf)}={cfg.vocab_size} but {display('tok_embeddings.weight')} "
+                            f"is {emb}, i.e. vocab_size={emb[0]}")
+    layers = {int(m.group(1)) for n in shapes if (m := re.match(r"layers\.(\d+)\.", n))}
+    if layers and max(layers) + 1 != cfg.n_layers:
+        problems.append(f"{_field('n_layers', hf)}={cfg.n_layers} but the file holds layers "
+                        f"{min(layers)}..{max(layers)}")
+    w1 = shapes.get("layers.0.feed_forward.w1.weight")
+    if w1 is not None and len(w1) == 2 and w1[0] != cfg.hidden_dim:
+        problems.append(f"{_field('hidden_dim', hf)}={cfg.hidden_dim} but "
+                        f"{display('layers.0.feed_forward.w1.weight')} is {w1}, i.e. hidden_dim={w1[0]}")
+    wk = shapes.get("layers.0.attention.wk.weight")
+    if wk is not None and len(wk) == 2 and wk[0] != cfg.n_kv_heads * cfg.head_dim and wk[0] % cfg.head_dim == 0:
+        problems.append(f"{_field('n_kv_heads', hf)}={cfg.n_kv_heads} but {display('layers.0.attention.wk.weight')} "
+                        f"is {wk}, i.e. n_kv_heads={wk[0] // cfg.head_dim} of head_dim {cfg.head_dim}")
+    if not cfg.tie_embeddings and "output.weight" not in shapes and emb is not None:
+        problems.append(f"{_field('tie_embeddings', hf)}=False but the file has no {display('output.weight')}; "
+                        "if the output layer shares the embeddings, set it to true")
+    if problems:
+        raise ConfigMismatchError("the config contradicts the tensors:\n  " + "\n  ".join(problems))
+
+
+def _check_rope_buffer(name: str, arr: np.ndarray, cfg: LlamaConfig) -> None:
+    """HF rotary_emb.inv_freq (Dh/2,) and Meta rope.freqs (Dh/2,) are theta_j; check them, then skip."""
+    want = rope_frequencies(cfg.head_dim, cfg.rope_theta)
+    if arr.shape != want.shape or not np.allclose(arr.astype(np.float64), want, rtol=1e-3, atol=0):
+        raise ConfigMismatchError(
+            f"rope_theta={cfg.rope_theta} (head_dim {cfg.head_dim}) contradicts the stored RoPE frequencies "
+            f"{name!r} of shape {arr.shape}; fix rope_theta in the config")
+
+
+class Loaded(NamedTuple):
+    """What read_checkpoint found: a config, Meta-named arrays, a tokenizer or None, and notes."""
+    config: LlamaConfig
+    params: dict
+    tokenizer: object
+    notes: list
+
+
+def _match_tensors(tensors: dict, metadata: dict, cfg: LlamaConfig, dtype, *, strict: bool,
+                   source: str, hf_config: bool) -> tuple[dict, list]:
+    """Rename to Meta, check config and shapes, un-permute HF q/k, cast. Returns (params, notes)."""
+    notes = []
+    if is_training_checkpoint(metadata):
+        opt = [n for n in tensors if n.startswith(OPTIMIZER_PREFIX)]
+        if opt:
+            notes.append(f"skipped {len(opt)} optimizer tensors (training checkpoint)")
+        tensors = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
+    hf_names = [n for n in tensors if is_hf_name(n)]
+    naming = "hf" if hf_names else "meta"
+    if hf_names and len(hf_names) != len(tensors):
+        meta_like = [n for n in tensors if not is_hf_name(n) and n in cfg.param_shapes()]
+        if meta_like:
+            raise CheckpointError(f"{source}: mixes Hugging Face names ({hf_names[0]!r}) and Meta names "
+                                  f"({meta_like[0]!r}); a checkpoint must use one naming")
+    renamed, file_name, unexpected = {}, {}, []
+    for name, t in tensors.items():
+        if name.endswith("rotary_emb.inv_freq") or name == "rope.freqs":
+            _check_rope_buffer(name, t, cfg)
+            notes.append(f"skipped derived RoPE buffer {name}")
+            continue
+        meta = hf_to_meta_name(name) if naming == "hf" else (name if meta_to_hf_name(name) else None)
+        if meta is None or meta in renamed:
+            unexpected.append(name)
+            continue
+        renamed[meta], file_name[meta] = t, name
+
+    def display(meta):
+        return file_name.get(meta) or (meta_to_hf_name(meta) if naming == "hf" else meta) or meta
+
+    if cfg.tie_embeddings and "output.weight" in renamed:
+        out, emb = renamed["output.weight"], renamed.get("tok_embeddings.weight")
+        if emb is not None and out.shape == emb.shape and np.array_equal(out, emb):
+            del renamed["output.weight"]
+            notes.append(f"{display('output.weight')} equals the embeddings (tied); used once")
+        else:
+            raise ConfigMismatchError(
+                f"{source}: {_field('tie_embeddings', hf_config)}=True but the file holds a separate "
+                f"{display('output.weight')} that differs from {display('tok_embeddings.weight')}; "
+                "set it to false to keep both")
+    shapes = {n: tuple(t.shape) for n, t in renamed.items()}
+    _check_config_against(cfg, shapes, hf_config, display)
+    expected = cfg.param_shapes()
+    missing = [display(n) for n in expected if n not in renamed]
+    misshapen = [f"{display(n)}: {shapes[n]}, expected {expected[n]}"
+                 for n in expected if n in renamed and shapes[n] != expected[n]]
+    unexpected += [display(n) for n in renamed if n not in expected]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)}: {missing}")
+    if misshapen:
+        problems.append(f"wrong shape {len(misshapen)}: {misshapen}")
+    if unexpected and strict:
+        problems.append(f"unexpected {len(unexpected)}: {unexpected} (pass strict=False to load anyway "
+                        "with a warning)")
+    if problems:
+        hint = ("expected Meta names like 'layers.0.attention.wq.weight' or Hugging Face names like "
+                "'model.layers.0.self_attn.q_proj.weight'")
+        raise TensorMismatchError(f"{source}: the tensors do not fit the config "
+                                  f"({cfg.n_layers} layers, dim {cfg.dim}):\n  " + "\n  ".join(problems)
+                                  + f"\n  hint: {hint}")
+    if unexpected:
+        warnings.warn(f"{source}: ignoring {len(unexpected)} unexpected tensors: {unexpected}", stacklevel=3)
+        notes.append(f"ignored unexpected tensors {unexpected}")
+    params = {}
+    for n in expected:
+        t = renamed[n]
+        if t.dtype.kind != "f":
+            raise CheckpointError(f"{source}: tensor {display(n)} has dtype {t.dtype}; weights must be floating point")
+        t = t.astype(dtype, copy=False)
+        if not np.isfinite(t).all():
+            raise CheckpointError(f"{source}: tensor {display(n)} holds NaN or infinite values; the file is corrupt "
+                                  "or the weights overflowed the requested dtype")
+        if naming == "hf" and n.endswith((".attention.wq.weight", ".attention.wk.weight")):
+            t = permute_hf_to_meta(t, cfg.n_heads if n.endswith("wq.weight") else cfg.n_kv_heads)
+        params[n] = np.ascontiguousarray(t)
+    return params, notes
+
+
+def _config_from_json_file(path: Path) -> tuple[LlamaConfig, bool]:
+    """(config, is_hf) from a config.json holding either HF keys or LlamaConfig.to_json keys."""
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    try:
+        if isinstance(d, dict) and "hidden_size" not in d and "dim" in d:
+            return LlamaConfig.from_dict(d), False
+        return hf_config_to_llama(d), True
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"{path}: {e}") from None
+    except ValueError as e:
+        raise ConfigMismatchError(f"{path}: {e}") from None
+
+
+def _read_hf_folder(folder: Path) -> tuple[dict, dict, str]:
+    """(tensors, metadata, description) of model.safetensors or the shards of its index."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():  # transformers tries the single file first too
+        tensors, metadata = read_safetensors(single)
+        return tensors, metadata, str(single)
+    if index.is_file():
+        try:
+            idx = json.loads(index.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        wmap = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+            raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> shard file")
+        tensors, metadata = {}, {}
+        for shard in sorted(set(wmap.values())):
+            if Path(shard).name != shard:
+                raise CheckpointError(f"{index}: shard {shard!r} is not a file name inside the folder")
+            shard_path = folder / shard
+            if not shard_path.is_file():
+                raise FileNotFoundError(f"{index} lists shard {shard!r}, which is not in {folder}")
+            part, meta = read_safetensors(shard_path)
+            metadata.update(meta)
+            listed = {n for n, s in wmap.items() if s == shard}
+            absent, unlisted = sorted(listed - set(part)), sorted(set(part) - listed)
+            if absent or unlisted:
+                raise CheckpointError(f"{shard_path}: disagrees with {index.name}: "
+                                      f"listed but absent {absent}, present but not listed {unlisted}")
+            tensors.update(part)
+        return tensors, metadata, f"{folder} ({len(set(wmap.values()))} shards)"
+    pickles = sorted(p.name for p in folder.iterdir() if looks_pickled_name(p))
+    if pickles:
+        raise PickleRefusedError(f"{folder}: holds only PyTorch pickle weights {pickles}; refusing them. {PICKLE_HINT}")
+    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json; "
+                            "expected a Hugging Face LlamaForCausalLM folder")
+
+
+def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None) -> Loaded:
+    """Read any supported checkpoint into (config, Meta-named params, tokenizer, notes); see load()."""
+    loaded = _read(Path(path), check_dtype(dtype), strict)
+    if max_seq_len is not None:     # the one place a file's context length is overridden
+        loaded = loaded._replace(config=loaded.config.replace(max_seq_len=max_seq_len))
+    return loaded
+
+
+def _read(path: Path, dtype: np.dtype, strict: bool) -> Loaded:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    if path.is_dir():
+        tensors, metadata, source = _read_hf_folder(path)
+        cfg_file = path / "config.json"
+        if cfg_file.is_file():
+            cfg, hf = _config_from_json_file(cfg_file)
+        elif CONFIG_KEY in metadata:
+            cfg, hf = config_from_metadata(metadata, source), False
+        else:
+            raise FileNotFoundError(f"{path}: no config.json; a Hugging Face folder needs one "
+                                    "(save_pretrained writes it)")
+        tokenizer = tokenizer_from_metadata(metadata, source)
+        if tokenizer is None and (path / "tokenizer.model").is_file():
+            tokenizer = SentencePieceTokenizer.from_file(path / "tokenizer.model")
+    else:
+        refuse_pickle_name(path)
+        suffix = path.suffix.lower()
+        if suffix == ".bin":
+            cfg, params = read_llama2c(path)
+            params = {n: np.ascontiguousarray(t, dtype=dtype) for n, t in params.items()}
+            return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"])
+        if suffix != ".safetensors":
+            with open(path, "rb") as f:
+                refuse_pickle_magic(path, f.read(4))
+            raise CheckpointError(f"{path}: unknown checkpoint type {suffix!r}; npllama reads .safetensors files, "
+                                  "Hugging Face folders and llama2.c .bin files")
+        tensors, metadata = read_safetensors(path)
+        source = str(path)
+        beside = path.parent / "config.json"
+        if CONFIG_KEY in metadata:
+            cfg, hf = config_from_metadata(metadata, source), False
+        elif beside.is_file():
+            cfg, hf = _config_from_json_file(beside)
+        else:
+            raise FileNotFoundError(
+                f"{path}: no config found: the metadata has no 'npllama_config' and there is no config.json "
+                "beside the file. Hint: put the model's config.json next to it")
+        tokenizer = tokenizer_from_metadata(metadata, source)
+    params, notes = _match_tensors(tensors, metadata, cfg, dtype, strict=strict, source=source, hf_config=hf)
+    return Loaded(cfg, params, tokenizer, notes)
+
+
+def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None):
+    """Load a checkpoint into an npllama.Llama (formats: see this module's docstring).
+
+    dtype: np.float32 (default) or np.float64; every tensor is cast to it.
+    strict: False turns unexpected extra tensors into a warning instead of an error.
+    max_seq_len: override the config's (e.g. Llama 2's 4096 makes large RoPE tables).
+    model.tokenizer is set from the metadata key "npllama_tokenizer" or a folder's tokenizer.model,
+    else None.
+    """
+    loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len)
+    model = Llama.from_params(loaded.config, loaded.params, dtype=dtype)
+    model.tokenizer = loaded.tokenizer
+    return model
+
+
+# ----------------------------------------------------------------------------- save
+
+_SAVE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def _save_dtype_name(dtype) -> str:
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    if name not in _SAVE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} cannot be saved; use float32 (default), float64, float16 or 'bfloat16'")
+    return name
+
+
+def _cast_for_save(arr: np.ndarray, name: str):
+    if name == "bfloat16":
+        return f32_to_bf16(arr)
+    out = np.asarray(arr, dtype=name)
+    if not np.isfinite(out).all():
+        raise ValueError(f"casting to {name} overflows some weights; save in float32 instead")
+    return out
+
+
+def save(model, path, format: str = "hf", dtype="float32") -> Path:
+    """Write model to path; returns the path written.
+
+    format="hf":   path is a folder (created if needed) holding model.safetensors (HF names,
+                   q/k rows permuted to rotate-half order), config.json for LlamaForCausalLM,
+                   and tokenizer.model when model.tokenizer is SentencePiece (any other tokenizer
+                   goes to the metadata key "npllama_tokenizer"). It loads with
+                   transformers.LlamaForCausalLM.from_pretrained(path).
+    format="meta": path is one .safetensors file with Meta names and metadata
+                   {"format": "pt", "npllama_config": config JSON, "npllama_tokenizer": tokenizer
+                   JSON when model.tokenizer is set}.
+    dtype: "float32" (default, whatever the model's dtype), "float64", "float16" or "bfloat16".
+    Every file is written atomically: an existing file is replaced whole or left untouched.
+    """
+    path = Path(path)
+    dname = _save_dtype_name(dtype)
+    cfg, params = model.config, model.params
+    tokenizer = getattr(model, "tokenizer", None)
+    meta = model_metadata(cfg, tokenizer)
+    if format == "meta":
+        if path.suffix != ".safetensors":
+            raise ValueError(f"{path}: format='meta' writes one .safetensors file; give a path ending in .safetensors")
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a folder; format='meta' writes one .safetensors file")
+        tensors = {n: _cast_for_save(params[n], dname) for n in cfg.param_shapes()}
+        write_safetensors_atomic(path, tensors, meta)
+        return path
+    if format == "hf":
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"{path} is a file; format='hf' writes a folder")
+        if (path / "model.safetensors.index.json").exists():
+            raise FileExistsError(f"{path} holds a sharded checkpoint (model.safetensors.index.json); "
+                                  "save into a new folder so the old shards cannot shadow the new weights")
+        path.mkdir(parents=True, exist_ok=True)
+        hf = meta_to_hf({n: params[n] for n in cfg.param_shapes()}, cfg)
+        del meta[CONFIG_KEY]                 # config.json carries it, in transformers' terms
+        proto = getattr(tokenizer, "model_proto", None)
+        if isinstance(proto, (bytes, bytearray)):  # SentencePiece: the file transformers' LlamaTokenizer reads
+            write_bytes_atomic(path / "tokenizer.model", bytes(proto))
+            del meta[TOKENIZER_KEY]
+        write_safetensors_atomic(path / "model.safetensors", {n: _cast_for_save(t, dname) for n, t in hf.items()},
+                                 meta)
+        hf_cfg = llama_to_hf_config(cfg, torch_dtype=dname,
+                                    bos_id=getattr(tokenizer, "bos_id", None),
+                                    eos_id=getattr(tokenizer, "eos_id", None))
+        write_bytes_atomic(path / "config.json", (json.dumps(hf_cfg, indent=2) + "\n").encode("utf-8"))
+        return path
+    raise ValueError(f"format={format!r}; use 'hf' (a transformers folder) or 'meta' (one .safetensors file)")

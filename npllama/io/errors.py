@@ -1,0 +1,27 @@
+"""The errors npllama raises for files it cannot read: every one a ValueError, with a hint."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is corrupt, truncated, untrusted, or does not fit its config."""
+
+
+class PickleRefusedError(CheckpointError):
+    """A pickle (torch.save) file: npllama never unpickles, since unpickling runs code."""
+
+
+class ConfigMismatchError(CheckpointError):
+    """The config contradicts the tensors (the message names each field)."""
+
+
+class TensorMismatchError(CheckpointError, KeyError):
+    """Tensors missing, unexpected or of the wrong shape (the message lists every one)."""
+
+    def __str__(self):  # KeyError would quote the message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+PICKLE_HINT = (
+    "npllama never unpickles (loading a pickle runs whatever code it holds). Export the weights to "
+    "safetensors instead, e.g. `python tools/export_torch.py --hf FOLDER --out OUT_FOLDER`, or in "
+    "Python `model.save_pretrained(out_dir, safe_serialization=True)` for a transformers model, or "
+    "`safetensors.torch.save_file(state_dict, 'model.safetensors')` with a config.json beside it")

@@ -1,0 +1,116 @@
+"""llama2.c checkpoints (.bin): Karpathy's export.py layouts, read by an explicit table.
+
+    v0 (legacy)  7 int32 header: dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size
+                 (negative: a separate classifier follows), max_seq_len; then float32 weights
+    v1           256-byte header: magic "ak42", int32 version 1, the same 7 int32, a uint8
+                 shared_classifier flag, zero padding; then float32 weights
+
+The order of the weights is written down as data in llama2c_layout, never left to a
+pointer walk as in run.c.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..config import LlamaConfig
+from .errors import CheckpointError
+from .pickles import refuse_pickle_magic
+
+LLAMA2C_MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32
+LLAMA2C_V1_HEADER_BYTES = 256
+
+
+def llama2c_layout(cfg: LlamaConfig, version: int) -> list[tuple[str | None, tuple[int, ...]]]:
+    """The float32 data of a llama2.c .bin after its header, in file order, as (name, shape).
+
+    name None marks data that is skipped (v0's RoPE tables, derived from rope_theta=10000).
+    v0 (export.py legacy_export):  tok_embeddings, then per kind over all layers: attention_norm,
+        wq, wk, wv, wo, ffn_norm, w1, w2, w3; then norm, freq_cis_real (max_seq_len, Dh/2),
+        freq_cis_imag (max_seq_len, Dh/2), then output only when not shared.
+    v1 (export.py version1_export): attention_norm x L, ffn_norm x L, norm, tok_embeddings, then
+        wq, wk, wv, wo, w1, w2, w3 (each over all layers), then output only when not shared.
+    """
+    shapes = cfg.param_shapes()
+    L = range(cfg.n_layers)
+
+    def per_layer(kind):
+        return [(f"layers.{i}.{kind}.weight", shapes[f"layers.{i}.{kind}.weight"]) for i in L]
+
+    mats = ["attention.wq", "attention.wk", "attention.wv", "attention.wo",
+            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    emb = [("tok_embeddings.weight", shapes["tok_embeddings.weight"])]
+    norm = [("norm.weight", shapes["norm.weight"])]
+    out = [] if cfg.tie_embeddings else [("output.weight", shapes["output.weight"])]
+    if version == 0:
+        layout = emb + per_layer("attention_norm")
+        for kind in mats[:4]:
+            layout += per_layer(kind)
+        layout += per_layer("ffn_norm")
+        for kind in mats[4:]:
+            layout += per_layer(kind)
+        rope = (cfg.max_seq_len, cfg.head_dim // 2)
+        return layout + norm + [(None, rope), (None, rope)] + out
+    if version == 1:
+        layout = per_layer("attention_norm") + per_layer("ffn_norm") + norm + emb
+        for kind in mats:
+            layout += per_layer(kind)
+        return layout + out
+    raise ValueError(f"llama2.c version {version} has no float32 layout here (known: 0, 1)")
+
+
+def read_llama2c(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(LLAMA2C_V1_HEADER_BYTES)
+    refuse_pickle_magic(path, head)
+    if len(head) < 28:
+        raise CheckpointError(f"{path}: {size} bytes is too short for a llama2.c checkpoint "
+                              "(the header alone is 28 bytes); the file is truncated")
+    magic, version = struct.unpack("<Ii", head[:8])
+    if magic == LLAMA2C_MAGIC:
+        if version != 1:
+            raise CheckpointError(
+                f"{path}: llama2.c format version {version}; npllama reads v0 (legacy) and v1 (float32). "
+                "Hint: re-export with llama2.c `python export.py out.bin --version 1 --checkpoint ...`")
+        if len(head) < LLAMA2C_V1_HEADER_BYTES:
+            raise CheckpointError(f"{path}: the llama2.c v1 header is 256 bytes but the file has {size}; truncated")
+        dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = struct.unpack("<7i", head[8:36])
+        shared = head[36]
+        if shared not in (0, 1):
+            raise CheckpointError(f"{path}: llama2.c v1 shared_classifier flag is {shared}, not 0 or 1; corrupt header")
+        shared, offset = bool(shared), LLAMA2C_V1_HEADER_BYTES
+    else:
+        version = 0
+        dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len = struct.unpack("<7i", head[:28])
+        shared, vocab, offset = vocab > 0, abs(vocab), 28  # legacy: negative vocab_size = separate classifier
+    fields = dict(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+                  vocab_size=vocab, max_seq_len=seq_len)
+    try:
+        if min(fields.values()) < 1 or max(fields.values()) > 1 << 24:
+            raise ValueError(f"header sizes {fields} are out of range")
+        # llama2.c's run.c hard-codes RMSNorm eps 1e-5 and RoPE theta 10000.
+        cfg = LlamaConfig(**fields, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=shared)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not a usable llama2.c v{version} checkpoint: {e}") from None
+    layout = llama2c_layout(cfg, version)
+    expected = offset + 4 * sum(math.prod(s) for _, s in layout)
+    if size != expected:
+        what = "truncated" if size < expected else f"{size - expected} bytes too long"
+        raise CheckpointError(
+            f"{path}: a llama2.c v{version} checkpoint with header {fields} (shared classifier: {shared}) "
+            f"is {expected} bytes, but the file has {size}: {what}. Hint: the file is damaged, or it is "
+            "not a float32 llama2.c checkpoint")
+    data = np.fromfile(path, dtype="<f4", offset=offset)
+    params, pos = {}, 0
+    for name, shape in layout:
+        n = math.prod(shape)
+        if name is not None:
+            params[name] = data[pos:pos + n].reshape(shape)
+        pos += n
+    assert pos == data.size, f"{pos=} {data.size=}"
+    return cfg, params

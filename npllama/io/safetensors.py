@@ -1,0 +1,197 @@
+"""The safetensors format, read and written here in NumPy alone (it is small enough).
+
+    8 bytes   N, little-endian uint64
+    N bytes   UTF-8 JSON: {"__metadata__": {str: str}, name: {"dtype": "F32", "shape": [...],
+              "data_offsets": [begin, end]}, ...}, padded with spaces
+    rest      the tensors' bytes, little-endian, C order; offsets count from the end of the header
+
+The header is validated against the file size before any data is trusted. Every write goes
+through write_safetensors_atomic: a temporary file in the same folder, fsync, then os.replace,
+so an existing file is either the old one or the new one, never a torn mix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from ..checks import is_integer
+from .atomic import write_atomic
+from .errors import CheckpointError
+from .pickles import refuse_pickle_magic
+
+_ST_DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # read as raw bits, upcast to float32 by _bf16_to_f32
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+_NP_TO_ST = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+             np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",
+             np.dtype(np.int8): "I8", np.dtype(np.uint64): "U64", np.dtype(np.uint32): "U32",
+             np.dtype(np.uint16): "U16", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+
+
+class Bfloat16(NamedTuple):
+    """A bfloat16 tensor for write_safetensors_atomic: its raw uint16 bits (NumPy has no bfloat16)."""
+    bits: np.ndarray
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 is the top half of a float32: shift the 16 bits up, exact."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> Bfloat16:
+    """Round float32 to bfloat16, to nearest with ties to even (as torch does); NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    rounded[np.isnan(x)] = 0x7FC0
+    return Bfloat16(rounded)
+
+
+def _header_entries(path: Path, header: dict, data_len: int) -> list[tuple[str, str, tuple, int, int]]:
+    """Validate every header entry against the file before any data is trusted."""
+    entries = []
+    for name, info in header.items():
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointError(f"{path}: header entry {name!r} is not {{dtype, shape, data_offsets}}: {info!r}; "
+                                  "the file is corrupt")
+        st, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if st not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {st!r}, which npllama cannot read "
+                                  f"(known: {sorted(_ST_DTYPES)})")
+        if not isinstance(shape, list) or not all(is_integer(s) and s >= 0
+                                                  for s in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {shape!r}, not a list of sizes; corrupt header")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(is_integer(o) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {offsets!r}; corrupt header")
+        begin, end = offsets
+        nbytes = math.prod(shape) * _ST_DTYPES[st].itemsize
+        if end - begin != nbytes:
+            raise CheckpointError(f"{path}: tensor {name!r} spans {end - begin} bytes but {st} {tuple(shape)} "
+                                  f"needs {nbytes}; corrupt header")
+        if end > data_len:
+            raise CheckpointError(f"{path}: tensor {name!r} ends at data byte {end} but the file holds only "
+                                  f"{data_len} data bytes; the file is truncated (re-download or re-export it)")
+        entries.append((name, st, tuple(shape), begin, end))
+    spans = sorted((b, e, n) for n, _, _, b, e in entries if e > b)
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap; corrupt header")
+    last = max((e for _, _, _, _, e in entries), default=0)
+    if last != data_len:
+        raise CheckpointError(f"{path}: {data_len - last} bytes follow the last tensor; the header and the "
+                              "data disagree, so the file is corrupt")
+    return entries
+
+
+def read_safetensors_header(path) -> tuple[dict[str, tuple[str, tuple]], dict[str, str]]:
+    """({name: (dtype_code, shape)}, metadata) of a safetensors file, validated, without its data."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        entries, metadata, _ = _read_header(f, path)
+    return {n: (st, shape) for n, st, shape, _, _ in entries}, metadata
+
+
+def _read_header(f, path: Path):
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    refuse_pickle_magic(path, head)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file (it starts with an "
+                              "8-byte header length); the file is truncated or not safetensors")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(size - 8, _MAX_HEADER):
+        raise CheckpointError(f"{path}: header length {n} does not fit in the {size}-byte file; "
+                              "the file is truncated, corrupt, or not safetensors")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e}); the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object; "
+                              "the file is corrupt")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings; the file is corrupt")
+    data_start = 8 + n
+    return _header_entries(path, header, size - data_start), metadata, data_start
+
+
+def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Read a .safetensors file: ({name: array}, metadata).
+
+    The header (length, JSON, dtypes, shapes, offsets) is checked against the file size before
+    any data is read. BF16 tensors come back as float32 (exact: bfloat16 is a truncated float32);
+    every other dtype comes back as itself, in native byte order.
+    Raises FileNotFoundError, PickleRefusedError, or CheckpointError naming the problem.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such safetensors file")
+    tensors = {}
+    with open(path, "rb") as f:
+        entries, metadata, data_start = _read_header(f, path)
+        for name, st, shape, begin, end in entries:
+            dt = _ST_DTYPES[st]
+            f.seek(data_start + begin)
+            count = math.prod(shape)
+            arr = np.fromfile(f, dtype=dt, count=count) if count else np.empty(0, dt)
+            if arr.size != count:  # the file shrank under us
+                raise CheckpointError(f"{path}: tensor {name!r} is cut short; the file is truncated")
+            arr = arr.reshape(shape)
+            arr = _bf16_to_f32(arr) if st == "BF16" else arr.astype(dt.newbyteorder("="), copy=False)
+            tensors[name] = arr
+    return tensors, metadata
+
+
+def write_safetensors_atomic(path, tensors: dict, metadata: dict | None = None) -> None:
+    """Write tensors ({name: np.ndarray or Bfloat16}) as one .safetensors file, atomically.
+
+    Metadata values must be strings; "format": "pt" is always written, since transformers refuses
+    safetensors files without it. Tensors are stored in the given order, little-endian, C order.
+    """
+    metadata = dict(metadata or {})
+    metadata["format"] = "pt"
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ValueError(f"safetensors metadata must map str to str; got {k!r}: {type(v).__name__}")
+    header, arrays, offset = {}, [], 0
+    for name, t in tensors.items():
+        if not isinstance(name, str) or name == "__metadata__":
+            raise ValueError(f"invalid tensor name {name!r}")
+        if isinstance(t, Bfloat16):
+            arr, st = np.asarray(t.bits, dtype="<u2", order="C"), "BF16"
+        else:
+            t = np.asarray(t)
+            st = _NP_TO_ST.get(t.dtype.newbyteorder("="))
+            if st is None:
+                raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors")
+            arr = np.asarray(t, dtype=_ST_DTYPES[st], order="C")  # (ascontiguousarray would make 0-d 1-d)
+        header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        arrays.append(arr)
+        offset += arr.nbytes
+    header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
+
+    def write(f):
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for arr in arrays:
+            f.write(memoryview(arr.reshape(-1)).cast("B") if arr.size else b"")
+
+    write_atomic(Path(path), write)

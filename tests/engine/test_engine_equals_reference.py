@@ -1,0 +1,138 @@
+"""The engine (npllama.engine, what npllama.Llama runs) against the reference (npllama.model).
+
+In float64 on hypothesis-drawn configs (MHA, GQA, MQA, tied or not, odd lengths): forward
+logits, the loss and every gradient, the masked and the KV-cached forward, and each fused
+decode step, all within 1e-10 relative of the reference.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import npllama
+from npllama import model as reference
+from npllama.engine import DecodeStep, blas
+from npllama.engine import shards
+from npllama.gradcheck import rel_error
+
+TOL = 1e-10
+
+
+@st.composite
+def configs(draw):
+    kvh, rep = draw(st.integers(1, 3)), draw(st.integers(1, 3))     # kvh = 1 < heads: MQA; rep = 1: MHA
+    head_dim = 2 * draw(st.integers(1, 3))
+    return npllama.LlamaConfig(
+        dim=kvh * rep * head_dim, n_layers=draw(st.integers(1, 3)), n_heads=kvh * rep, n_kv_heads=kvh,
+        vocab_size=draw(st.integers(2, 17)), hidden_dim=draw(st.integers(1, 12)), max_seq_len=12,
+        tie_embeddings=draw(st.booleans()), rope_theta=draw(st.sampled_from([10000.0, 50.0])))
+
+
+def random_model(cfg, seed):
+    """A float64 model with weights far from the init, so every path carries signal."""
+    model = npllama.Llama(cfg, seed=seed, dtype=np.float64)
+    rng = np.random.default_rng(seed + 1)
+    for p in model.params.values():
+        p += rng.standard_normal(p.shape) * 0.3
+    return model
+
+
+def tokens_and_targets(cfg, B, T, seed):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, (B, T))
+    targets = rng.integers(0, cfg.vocab_size, (B, T))
+    targets[rng.random((B, T)) < 0.3] = -100
+    targets[0, 0] = 1 % cfg.vocab_size
+    return tokens, targets
+
+
+@settings(max_examples=30)
+@given(configs(), st.integers(1, 4), st.integers(1, 12), st.sampled_from([1, 2]), st.integers(0, 10_000))
+def test_forward_loss_and_every_gradient_equal_the_reference(cfg, B, T, workers, seed):
+    model = random_model(cfg, seed)
+    tokens, targets = tokens_and_targets(cfg, B, T, seed)
+    expected_logits, _ = reference.forward(model.params, cfg, tokens)
+    assert rel_error(model.forward(tokens, workers=workers), expected_logits) < TOL
+    expected_loss, expected_grads = reference.loss_and_grads(model.params, cfg, tokens, targets)
+    loss, grads = model.loss_and_grads(tokens, targets, workers=workers)
+    assert abs(loss - expected_loss) <= TOL * abs(expected_loss)
+    assert list(grads) == list(expected_grads) == list(model.params)
+    # A gradient that is exactly 0 in exact arithmetic (wq's at T = 1: a softmax over one key) comes
+    # out as rounding noise on both sides, so errors are relative to at least 1e-6 of the whole gradient.
+    floor = 1e-6 * np.sqrt(sum(np.sum(g * g) for g in expected_grads.values()))
+    for name, g in grads.items():
+        assert g.shape == model.params[name].shape and g.dtype == np.float64
+        assert rel_error(g, expected_grads[name], floor=floor) < TOL, name
+
+
+def test_many_shards_on_two_threads_equal_the_reference(monkeypatch):
+    """Shards smaller than the batch (several per thread), summed in order, give the reference's sums."""
+    monkeypatch.setattr(shards, "MIN_SHARDED_ACTIVATIONS", 1)
+    monkeypatch.setattr(shards, "SHARD_ACTIVATIONS", 64)
+    cfg = npllama.LlamaConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=11, multiple_of=8,
+                              max_seq_len=16)
+    model = random_model(cfg, 5)
+    tokens, targets = tokens_and_targets(cfg, 7, 9, 6)
+    expected_loss, expected_grads = reference.loss_and_grads(model.params, cfg, tokens, targets)
+    loss, grads = model.loss_and_grads(tokens, targets)          # default workers: one per core
+    assert abs(loss - expected_loss) <= TOL * expected_loss
+    assert all(rel_error(grads[n], expected_grads[n]) < TOL for n in grads)
+
+
+@settings(max_examples=20)
+@given(configs(), st.integers(1, 3), st.integers(1, 6), st.integers(0, 10_000))
+def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, seed):
+    model = random_model(cfg, seed)
+    seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
+    kv = model.new_kv_cache(B)
+    prefill = model.forward(seq[:, :P], kv_cache=kv)
+    assert rel_error(prefill, reference.forward(model.params, cfg, seq[:, :P])[0]) < TOL
+    step = DecodeStep(model.params, cfg, model.rope)
+    for pos in range(P, cfg.max_seq_len):
+        logits = step(seq[:, pos], pos, kv)
+        expected = reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]
+        assert rel_error(logits, expected) < TOL, pos
+
+
+@settings(max_examples=15)
+@given(configs(), st.integers(0, 10_000))
+def test_masked_forward_and_decode_with_key_bias_equal_the_reference(cfg, seed):
+    """Left padding: a mask in the prefill, a -inf key bias in the decode steps."""
+    model = random_model(cfg, seed)
+    rng = np.random.default_rng(seed)
+    B, P = 3, 5
+    pads = np.array([0, 2, 4])
+    tokens = rng.integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
+    s = np.arange(P)
+    mask = (s[None, None, :] <= s[None, :, None]) & ((s[None, None, :] >= pads[:, None, None])
+                                                     | (s[None, None, :] == s[None, :, None]))
+    kv = model.new_kv_cache(B)
+    got = model.forward(tokens[:, :P], kv_cache=kv, mask=mask)
+    assert rel_error(got, reference.forward(model.params, cfg, tokens[:, :P], mask=mask)[0]) < TOL
+    step = DecodeStep(model.params, cfg, model.rope)
+    for pos in range(P, P + 3):
+        keys = np.arange(pos + 1)
+        allowed = keys[None, :] >= pads[:, None]                                # (B, S)
+        key_bias = np.where(allowed, 0.0, -np.inf)[:, None, None, :]
+        logits = step(tokens[:, pos], pos, kv, key_bias)
+        full_mask = np.tril(np.ones((pos + 1, pos + 1), bool))[None] & (allowed[:, None, :] | np.eye(pos + 1, dtype=bool))
+        expected = reference.forward(model.params, cfg, tokens[:, :pos + 1], mask=full_mask)[0][:, -1]
+        assert rel_error(logits, expected) < TOL
+
+
+@pytest.mark.skipif(blas.get_blas_threads() is None, reason="NumPy's BLAS is not OpenBLAS: no thread count to restore")
+def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused():
+    cfg = npllama.LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=13, multiple_of=8, max_seq_len=64)
+    model = npllama.Llama(cfg, seed=0)
+    tokens = np.random.default_rng(0).integers(0, 13, (8, 64))
+    before = blas.get_blas_threads()
+    for threads in sorted({1, 2, before}):
+        blas.set_blas_threads(threads)
+        model.loss_and_grads(tokens, tokens, workers=2)
+        model.forward(tokens, workers=1)
+        stream = model.generate_stream([1, 2, 3], max_new_tokens=5)
+        next(stream)
+        next(stream)                  # paused between two decode steps
+        assert blas.get_blas_threads() == threads
+        stream.close()
+    blas.set_blas_threads(before)
