@@ -104,7 +104,7 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
     cfg = model.config
     B = len(prompts)
     V = cfg.vocab_size
-    step = DecodeStep(model.params, cfg, model.rope)
+    step = DecodeStep(model.params, cfg, model.rope, B)
     kv = model.new_kv_cache(B)
     penalise = repetition_penalty is not None and repetition_penalty != 1.0
     seen = np.zeros((B, V), dtype=bool) if penalise else None

@@ -8,10 +8,11 @@ import numpy as np
 
 
 class KVCache:
-    """Keys and values of every layer, in the attention core's layout.
+    """Keys and values of every layer: k, v (L, B, KVH, max_seq_len, Dh).
 
-    k, v: (L, B, KVH, max_seq_len, Dh). Positions [0, length) hold valid entries; a forward
-    with start_pos = p writes positions p .. p + T - 1 and attends to 0 .. p + T - 1.
+    Positions [0, length) hold valid entries. A forward with start_pos = p appends positions
+    p .. p + T - 1 to every layer (append) and attends to 0 .. p + T - 1. The engine keeps a
+    subclass with another storage layout (npllama.engine.decode.DecodeCache); append hides it.
     """
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=np.float32):
@@ -26,15 +27,12 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
+    def append(self, layer: int, k, v, start_pos: int):
+        """Write one layer's new keys and values at start_pos and return every position so far.
 
-def append_kv(kv, k, v, start_pos: int):
-    """Write one layer's new keys and values at start_pos and return every position so far.
-
-    kv: (k_cache, v_cache), each (B, KVH, max_seq_len, Dh); k, v (B, KVH, T, Dh).
-    Returns: k, v (B, KVH, S, Dh) with S = start_pos + T, views of the cache.
-    """
-    k_cache, v_cache = kv
-    end = start_pos + k.shape[2]
-    k_cache[:, :, start_pos:end] = k
-    v_cache[:, :, start_pos:end] = v
-    return k_cache[:, :, :end], v_cache[:, :, :end]
+        k, v: (B, KVH, T, Dh). Returns k, v (B, KVH, S, Dh) with S = start_pos + T, views of the cache.
+        """
+        end = start_pos + k.shape[2]
+        self.k[layer, :, :, start_pos:end] = k
+        self.v[layer, :, :, start_pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]

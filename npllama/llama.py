@@ -61,8 +61,9 @@ class Llama:
         return model
 
     def new_kv_cache(self, batch_size: int = 1) -> KVCache:
+        """An empty cache for batch_size rows, in the layout the engine's decode step reads fastest."""
         cfg = self.config
-        return KVCache(cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, self.dtype)
+        return engine.DecodeCache(cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, self.dtype)
 
     def forward(self, tokens, kv_cache: KVCache | None = None, start_pos: int = 0, mask=None, workers=None):
         """Logits of every position.

@@ -28,7 +28,7 @@ import numpy as np
 
 from .checks import check_dtype
 from .config import LlamaConfig
-from .kvcache import KVCache, append_kv
+from .kvcache import KVCache
 from .ops import (
     IGNORE_INDEX,
     attention_backward, attention_forward,
@@ -156,8 +156,8 @@ def block_forward(x, w: LayerWeights, cos, sin, *, eps, kv=None, start_pos=0, ma
 
     Inputs:  x (B, T, D); w the block's weights; cos, sin (T, Dh/2), the RoPE rows of positions
              start_pos .. start_pos + T - 1; eps, RMSNorm's epsilon;
-             kv: None (training), or this layer's (k_cache, v_cache), each (B, KVH, max_seq_len, Dh),
-             into which positions start_pos .. start_pos + T - 1 are written before attending;
+             kv: None (training), or (kv_cache, layer): positions start_pos .. start_pos + T - 1
+             are appended to that layer of the KVCache before attending;
              mask: None (causal) or booleans (B, T, S), see attention_forward.
     Returns: out (B, T, D), cache for block_backward.
     """
@@ -176,7 +176,8 @@ def block_forward(x, w: LayerWeights, cos, sin, *, eps, kv=None, start_pos=0, ma
     k, c_rope_k = rope_forward(k, cos, sin)
     if kv is not None:
         # decoding: store this chunk's keys and values, then attend to every position so far
-        k, v = append_kv(kv, k, v, start_pos)                            # (B, KVH, S, Dh), S = start_pos + T
+        kv_cache, layer = kv
+        k, v = kv_cache.append(layer, k, v, start_pos)                   # (B, KVH, S, Dh), S = start_pos + T
     att, c_attention = attention_forward(q, k, v, mask)
     att = att.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)                # (B, H, T, Dh) -> (B, T, H*Dh)
     o, c_wo = linear_forward(att, w.wo)
@@ -273,7 +274,7 @@ def forward(params: dict, config: LlamaConfig, tokens, *, rope=None, kv_cache: K
     x, c_embedding = embedding_forward(tokens, emb)                          # (B, T) -> (B, T, D)
     block_caches = []
     for i, w in enumerate(blocks.weights):
-        kv = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
+        kv = None if kv_cache is None else (kv_cache, i)
         x, c_block = blocks.forward(x, w, cos, sin, eps=config.norm_eps, kv=kv, start_pos=start_pos, mask=mask)
         block_caches.append(c_block)
     xn, c_norm = rmsnorm_forward(x, params["norm.weight"], config.norm_eps)

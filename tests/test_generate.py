@@ -45,7 +45,7 @@ def test_decode_step_logits_equal_full_recompute(model64, rng, B):
     kv, kv_model = model64.new_kv_cache(B), model64.new_kv_cache(B)
     model64.forward(seq[:, :P], kv_cache=kv, start_pos=0)
     model64.forward(seq[:, :P], kv_cache=kv_model, start_pos=0)
-    step = DecodeStep(model64.params, cfg, model64.rope)
+    step = DecodeStep(model64.params, cfg, model64.rope, B)
     worst = 0.0
     for pos in range(P, cfg.max_seq_len):
         cached = step(seq[:, pos], pos, kv)
@@ -60,7 +60,7 @@ def test_decode_step_float32_is_close(tiny_config, rng):
     seq = rng.integers(0, tiny_config.vocab_size, size=(1, 12))
     kv = model.new_kv_cache(1)
     model.forward(seq[:, :4], kv_cache=kv)
-    step = DecodeStep(model.params, model.config, model.rope)
+    step = DecodeStep(model.params, model.config, model.rope, 1)
     for pos in range(4, 12):
         cached = step(seq[:, pos], pos, kv)
         assert cached.dtype == np.float32

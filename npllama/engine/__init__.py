@@ -7,7 +7,7 @@ float64, 1e-10 relative, on hypothesis-drawn configs):
     passes.forward / passes.loss_and_grads   the batch in shards on one thread per core
                                               (shards.py), blocks on stacked weights (block.py,
                                               stacked.py)
-    decode.DecodeStep                         one token per row through the KV cache, fused
+    decode.DecodeStep, DecodeCache            one token per row through the KV cache, fused
     blas.blas_threads                         OpenBLAS's thread count, set for a block and restored
 
 It is built from the reference's own tables (parameter names and layer order from
@@ -16,7 +16,7 @@ changes (BLAS threads, its thread pool), restoring each on return. A reader can 
 """
 
 from .blas import blas_threads
-from .decode import DecodeStep
+from .decode import DecodeCache, DecodeStep
 from .passes import forward, loss_and_grads
 
-__all__ = ["blas_threads", "DecodeStep", "forward", "loss_and_grads"]
+__all__ = ["blas_threads", "DecodeCache", "DecodeStep", "forward", "loss_and_grads"]

@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..kvcache import append_kv
 from ..ops import (attention_backward, attention_forward, linear_backward, linear_forward, rmsnorm_backward,
                    rmsnorm_forward, rope_backward, rope_forward, swiglu_backward, swiglu_forward)
 from .blas import blas_threads
@@ -50,7 +49,8 @@ def block_forward(x, w: StackedLayer, cos, sin, *, eps, kv=None, start_pos=0, ma
     q, c_rope_q = rope_forward(q, cos, sin)
     k, c_rope_k = rope_forward(k, cos, sin)
     if kv is not None:
-        k, v = append_kv(kv, k, v, start_pos)                               # (B, KVH, S, Dh)
+        kv_cache, layer = kv
+        k, v = kv_cache.append(layer, k, v, start_pos)                      # (B, KVH, S, Dh)
     with blas_threads(1):
         att, c_attention = attention_forward(q, k, v, mask)
     att = att.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)                  # (B, H, T, Dh) -> (B, T, H*Dh)

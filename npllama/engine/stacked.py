@@ -38,6 +38,24 @@ def stack_layers(params: dict, config: LlamaConfig) -> list[StackedLayer]:
     return [stack_layer(layer_weights(params, i)) for i in range(config.n_layers)]
 
 
+def fold_norms(w: StackedLayer, head_dim: int, n_heads: int) -> StackedLayer:
+    """The layer with each RMSNorm weight (times sqrt(D)) folded into the matrix that reads its output,
+    and 1/sqrt(Dh) into the q rows, for decoding: with r = (mean(x**2) + eps) ** -0.5,
+
+        (x * r * g) @ W.T = (x / sqrt(sum(x**2) + D eps)) @ (W * (sqrt(D) g)).T
+
+    so a step normalises with one row sum and one division, and scales q by nothing. The norm
+    fields of the result are None; wqkv and w13 are new arrays (the stacked copies, scaled).
+    """
+    D = w.attention_norm.shape[0]
+    scale = np.sqrt(D, dtype=np.float64)
+    qkv_rows = np.ones(w.wqkv.shape[0])
+    qkv_rows[:n_heads * head_dim] = 1.0 / np.sqrt(head_dim)
+    wqkv = w.wqkv * (qkv_rows[:, None] * (w.attention_norm * scale)[None, :]).astype(w.wqkv.dtype)
+    w13 = w.w13 * (w.ffn_norm * scale).astype(w.w13.dtype)
+    return StackedLayer(None, wqkv, w.wo, None, w13, w.w2)
+
+
 def unstack(g: StackedLayer, n_heads: int, n_kv_heads: int) -> LayerWeights:
     """A StackedLayer (of weights or gradients) split back into the reference's LayerWeights (views)."""
     Dh = g.wo.shape[1] // n_heads
