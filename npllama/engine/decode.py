@@ -21,7 +21,7 @@ The cache is a DecodeCache, a KVCache in the layout the step reads fastest: the 
 
 from __future__ import annotations
 
-import math
+import functools
 
 import numpy as np
 
@@ -31,13 +31,12 @@ from ..model import output_weight_name
 from .blas import blas_threads
 from .stacked import fold_norms, stack_layers
 
-if hasattr(np, "vecdot"):      # NumPy >= 2.0: one ufunc call, half of einsum's time at D = 64
-    def row_dot(a, b):
-        """sum(a * b) over the last axis, kept: (B, D) -> (B, 1)."""
-        return np.vecdot(a, b, keepdims=True)
+# row_dot(a, b): sum(a * b) over the last axis, kept, (B, D) -> (B, 1). np.vecdot (NumPy >= 2.0) is
+# one ufunc call, half of einsum's time at D = 64; NumPy 1.x gets the einsum.
+if hasattr(np, "vecdot"):
+    row_dot = functools.partial(np.vecdot, keepdims=True)
 else:
     def row_dot(a, b):
-        """sum(a * b) over the last axis, kept: (B, D) -> (B, 1)."""
         return np.einsum("...d,...d->...", a, b)[..., None]
 
 
@@ -124,12 +123,17 @@ class DecodeStep:
             return self._step(ids, pos, kv_cache, key_bias)
 
     def _step(self, ids, pos, kv_cache, key_bias):
+        x = self.embedding.take(ids, axis=0)                                # (B,) -> (B, D)
+        rotation = self.rotations[pos]                                      # (Dh/2,) complex
+        with np.errstate(over="ignore"):                                    # silu: exp(-a) -> inf gives 0, right
+            x = self._layers(x, rotation, pos, kv_cache, key_bias)
+        return np.ascontiguousarray(self._linear(self._normalized(x), self.output))   # (B, D) -> (B, V)
+
+    def _layers(self, x, rotation, pos, kv_cache, key_bias):
         cfg = self.config
         H, KVH, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         R, S = H // KVH, pos + 1
-        B = ids.shape[0]
-        x = self.embedding.take(ids, axis=0)                                # (B,) -> (B, D)
-        rotation = self.rotations[pos]                                      # (Dh/2,) complex
+        B = x.shape[0]
         for (wqkv, wo, w13, w2), k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v):
             qkv = np.ascontiguousarray(self._linear(self._normalized(x), wqkv))   # (B, D) -> (B, (H + 2 KVH) Dh)
             # RoPE on q and k at once, as complex pairs: (B, (H + KVH) Dh) -> (B, H + KVH, Dh/2)
@@ -148,6 +152,5 @@ class DecodeStep:
             ab = self._linear(self._normalized(x), w13)                     # (B, D) -> (B, 2F)
             F = ab.shape[1] // 2
             a, b = ab[:, :F], ab[:, F:]
-            with np.errstate(over="ignore"):                                # exp(-a) -> inf: silu -> 0, right
-                x = x + self._linear(a * b / (1.0 + np.exp(-a)), w2)        # silu(a) * b: (B, F) -> (B, D)
-        return np.ascontiguousarray(self._linear(self._normalized(x), self.output))   # (B, D) -> (B, V)
+            x = x + self._linear(a * b / (1.0 + np.exp(-a)), w2)            # silu(a) * b: (B, F) -> (B, D)
+        return x
