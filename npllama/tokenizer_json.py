@@ -49,13 +49,21 @@ transformers 5 (tokenization_utils_tokenizers.py), tokenizer_config.json's add_b
 add_eos_token decide when either is present, else the file's post-processor template does.
 bos_token / eos_token come from tokenizer_config.json, else from the template.
 
-Where this differs from sentencepiece on the same tokenizer.model (we follow the tokenizer.json):
-a literal "<s>" or "</s>" in the text is the control id, not text; with transformers 5's
-LlamaTokenizer file (Metaspace "first") text that starts with a space gets no extra '▁' of its
-own (" Hello" is [15043], sentencepiece says [29871, 15043]) and text after an added token gets
-no '▁' at all; decode prints nothing for <unk> (sentencepiece prints " ⁇ "), turns every byte of
-a byte run that is not entirely valid UTF-8 into U+FFFD, and joins byte runs across left-out
-control ids. One more difference is transformers 5's, not ours: when tokenizer_config.json names
+Where the files transformers 5 writes differ from sentencepiece on the same tokenizer.model
+(we follow the tokenizer.json; tests/test_tokenizer_json.py pins these):
+  - a literal "<s>", "</s>" or "<unk>" in the text is the control id; sentencepiece spells it out;
+  - LlamaTokenizer's file (Metaspace "first"): text that starts with a space gets no '▁' of its
+    own (" Hello" is [15043], sentencepiece [29871, 15043], so decode(encode(" x")) is "x"), and
+    text right after an added token gets none ("<s>Hello" is [1, 10994], not [1, 15043]);
+  - transformers ranks merges in vocabulary order (generate_merges), sentencepiece by piece
+    score, which puts whitespace pieces such as '▁▁' (score -1e9) last: a run of spaces before a
+    word splits differently ("a  here" ends [259, 4150] '▁▁' 'here', not [29871, 1244] '▁' '▁here');
+  - LlamaTokenizer's file has no normalizer, so a model trained with remove_extra_whitespaces
+    (tok512) keeps leading, trailing and repeated spaces that sentencepiece removes (the
+    TokenizersBackend file keeps that normalizer, as Replace regexes);
+  - decode prints nothing for <unk> (sentencepiece " ⁇ "), turns every byte of a byte run that
+    is not valid UTF-8 as a whole into U+FFFD, and joins byte runs across left-out control ids.
+One more difference is transformers 5's, not ours: when tokenizer_config.json names
 LlamaTokenizer, transformers 5 keeps only the vocab and merges of tokenizer.json and rebuilds
 the rest (Metaspace "first", or "always" with legacy=true), so for an older file with the legacy
 normalizer it does not run the file as written; we run the file as written, as `tokenizers`
@@ -288,7 +296,8 @@ class _AddedTokens:
             self.token_of[token_id] = form
             if e.get("special"):
                 self.special.add(content)
-            (normalized if is_normalized else raw).append((form, token_id, bool(e.get("lstrip")), bool(e.get("rstrip"))))
+            entry = (form, token_id, bool(e.get("lstrip")), bool(e.get("rstrip")))
+            (normalized if is_normalized else raw).append(entry)
         self._raw = self._matcher(raw)
         self._normalized = self._matcher(normalized)
 
@@ -353,7 +362,8 @@ class _BPE:
             raise TokenizerJSONError("tokenizer.json: model.vocab must be a non-empty object mapping tokens to ids")
         bad = [(t, i) for t, i in vocab.items() if isinstance(i, bool) or not isinstance(i, int) or i < 0]
         if bad:
-            raise TokenizerJSONError(f"tokenizer.json: model.vocab ids must be non-negative integers; first bad entry {bad[0]!r}")
+            raise TokenizerJSONError("tokenizer.json: model.vocab ids must be non-negative integers; "
+                                     f"first bad entry {bad[0]!r}")
         self.id_to_token = {}
         for token, token_id in vocab.items():
             if token_id in self.id_to_token:
@@ -367,7 +377,8 @@ class _BPE:
         self.ignore_merges = bool(model.get("ignore_merges", False))
         self.unk_token = model.get("unk_token")
         if self.unk_token is not None and not isinstance(self.unk_token, str):
-            raise TokenizerJSONError(f"tokenizer.json: model.unk_token must be a string or null, got {self.unk_token!r}")
+            raise TokenizerJSONError(f"tokenizer.json: model.unk_token must be a string or null, "
+                                     f"got {self.unk_token!r}")
         self._merges = self._merge_table(model.get("merges"))
         self._in_merges = {key // self.size for key in self._merges} | {key % self.size for key in self._merges}
         # Every two-character substring of a multi-character piece: the places a symbol can span.
@@ -388,7 +399,8 @@ class _BPE:
             elif isinstance(merge, list) and all(isinstance(p, str) for p in merge):
                 parts = merge
             else:
-                raise TokenizerJSONError(f"tokenizer.json: merge {rank} is {merge!r}; expected \"a b\" or [\"a\", \"b\"]")
+                raise TokenizerJSONError(f"tokenizer.json: merge {rank} is {merge!r}; "
+                                         "expected \"a b\" or [\"a\", \"b\"]")
             if len(parts) != 2:
                 raise TokenizerJSONError(f"tokenizer.json: merge {rank} is {merge!r}; it must name exactly two tokens")
             a, b = parts
@@ -562,9 +574,11 @@ class _Decoder:
             elif kind == "Fuse":
                 fused = True
             elif kind == "Strip":
-                content, start, stop = _char(step, "content", "decoder Strip"), step.get("start", 0), step.get("stop", 0)
+                content = _char(step, "content", "decoder Strip")
+                start, stop = step.get("start", 0), step.get("stop", 0)
                 if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, stop)):
-                    raise TokenizerJSONError(f"tokenizer.json: decoder Strip needs counts start/stop >= 0, got {start!r}, {stop!r}")
+                    raise TokenizerJSONError("tokenizer.json: decoder Strip needs counts start/stop >= 0, "
+                                             f"got {start!r}, {stop!r}")
                 if fused:
                     self.strips.append((content, start))
                 else:
@@ -573,7 +587,8 @@ class _Decoder:
                 replace = _Replace(step, "decoder Replace")
                 self._per_token(lambda t, first, replace=replace: replace(t))
             elif kind == "Metaspace":
-                repl, scheme = _char(step, "replacement", "decoder Metaspace"), _prepend_scheme(step, "decoder Metaspace")
+                repl = _char(step, "replacement", "decoder Metaspace")
+                scheme = _prepend_scheme(step, "decoder Metaspace")
                 # metaspace.rs decode_chain: in the first token every replacement character goes
                 # (unless prepend_scheme is never); elsewhere each becomes a space.
                 self._per_token(lambda t, first, repl=repl, drop=scheme != "never":
@@ -695,7 +710,8 @@ def _template_ids(node) -> tuple[list[int], list[int]]:
         return before, after
     single, specials = templates[0].get("single"), templates[0].get("special_tokens", {})
     if not isinstance(single, list) or not isinstance(specials, dict):
-        raise TokenizerJSONError("tokenizer.json: TemplateProcessing needs a list 'single' and an object 'special_tokens'")
+        raise TokenizerJSONError("tokenizer.json: TemplateProcessing needs a list 'single' "
+                                 "and an object 'special_tokens'")
     side = before
     for piece in single:
         if isinstance(piece, dict) and "Sequence" in piece:
@@ -957,9 +973,9 @@ class _LibraryStream:
     """Incremental decoding for decoders we do not model, as tokenizers' DecodeStream does it.
 
     The text of ids[start:] minus that of ids[start:read] is emitted once it grows and does not
-    end in U+FFFD (an unfinished byte sequence); then start moves to read, keeping one emitted
-    token as context so a decoder's start-of-text rules are not applied again. flush() emits
-    what is left. This equals decode(ids) for decoders whose text only grows at its end, which
+    end in U+FFFD (an unfinished byte sequence); then start moves to read, so the tokens of the
+    last emission stay as context and a decoder's start-of-text rules are not applied again.
+    flush() emits what is left. This equals decode(ids) for decoders whose text only grows at its end, which
     the common ones (ByteLevel, Metaspace, ByteFallback) are.
     """
 
@@ -997,13 +1013,17 @@ def hf_tokenizer(tokenizer_json, tokenizer_config=None):
     try:
         return HFTokenizer(tokenizer_json, tokenizer_config)
     except UnsupportedTokenizerError:
-        try:
-            importlib.import_module("tokenizers")
-        except ImportError:
-            pass
-        else:
-            return LibraryHFTokenizer(tokenizer_json, tokenizer_config)
-        raise
+        if not _library_installed():
+            raise
+    return LibraryHFTokenizer(tokenizer_json, tokenizer_config)
+
+
+def _library_installed() -> bool:
+    try:
+        importlib.import_module("tokenizers")
+    except ImportError:
+        return False
+    return True
 
 
 def _read_folder(folder) -> tuple[str, str | None]:
@@ -1029,14 +1049,13 @@ def tokenizer_from_folder(folder):
     folder = Path(os.fspath(folder))
     if not (folder / "tokenizer.json").is_file():
         return None, None
+    instead = "pass --tokenizer PATH (a sentencepiece tokenizer.model)"
     try:
         return hf_tokenizer(*_read_folder(folder)), None
-    except UnsupportedTokenizerError as e:
-        return None, (f"cannot use {folder / 'tokenizer.json'} ({e}); pass --tokenizer PATH with a "
-                      "sentencepiece tokenizer.model, or install the `tokenizers` package")
+    except UnsupportedTokenizerError as e:  # its message says what to install
+        return None, f"cannot use {folder / 'tokenizer.json'}: {e}; or {instead}"
     except (TokenizerJSONError, OSError) as e:
-        return None, (f"cannot use {folder / 'tokenizer.json'} ({e}); pass --tokenizer PATH with a "
-                      "sentencepiece tokenizer.model")
+        return None, f"cannot use {folder / 'tokenizer.json'}: {e}; {instead}"
 
 
 def from_json_dict(d: dict):
