@@ -35,16 +35,17 @@ def small_json(**changes) -> dict:
     d = {
         "version": "1.0",
         "added_tokens": [
-            {"id": 0, "content": "<unk>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True},
-            {"id": 1, "content": "<s>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True},
-            {"id": 2, "content": "</s>", "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True},
-            {"id": 268, "content": "[x]", "single_word": False, "lstrip": True, "rstrip": False, "normalized": False, "special": False},
+            *[{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+               "special": True} for i, c in enumerate(["<unk>", "<s>", "</s>"])],
+            {"id": 268, "content": "[x]", "single_word": False, "lstrip": True, "rstrip": False, "normalized": False,
+             "special": False},
         ],
         "normalizer": {"type": "Sequence", "normalizers": [
             {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
         "pre_tokenizer": None,
         "post_processor": {"type": "TemplateProcessing",
-                           "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                           "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                      {"Sequence": {"id": "A", "type_id": 0}}],
                            "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
         "decoder": {"type": "Sequence", "decoders": [
             {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
@@ -149,30 +150,36 @@ def test_small_variants_equal_the_tokenizers_library():
     """Merges as pairs, Metaspace pre-tokenizers (each scheme, split or not), normalized and
     rstrip added tokens, regex normalizers, a Metaspace decoder, no unk with and without fuse."""
     tokenizers = pytest.importorskip("tokenizers", reason="the `tokenizers` package is not installed")
-    metaspace = lambda scheme, split: {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": split}
-    strip_first = {"type": "Replace", "pattern": {"Regex": "\\A +| +\\z"}, "content": ""}
+    def metaspace(scheme, split):
+        return {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": split}
+    strip_ends = {"type": "Replace", "pattern": {"Regex": "\\A +| +\\z"}, "content": ""}
+    collapse = {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}
     variants = [
         dict(model={**small_json()["model"], "merges": [m.split(" ") for m in SMALL_MERGES]}),
         *[dict(normalizer=None, pre_tokenizer=metaspace(scheme, split))
           for scheme in ("always", "first", "never") for split in (False, True)],
-        dict(normalizer={"type": "Sequence", "normalizers": [strip_first, {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "}]},
+        dict(normalizer={"type": "Sequence", "normalizers": [strip_ends, collapse]},
              pre_tokenizer=metaspace("first", False)),
-        dict(normalizer={"type": "Strip", "strip_left": True, "strip_right": False}, pre_tokenizer=metaspace("first", True)),
+        dict(normalizer={"type": "Strip", "strip_left": True, "strip_right": False},
+             pre_tokenizer=metaspace("first", True)),
         dict(added_tokens=[{"id": 268, "content": "l▁", "single_word": False, "lstrip": False, "rstrip": True,
                             "normalized": True, "special": False}]),
         dict(decoder={"type": "Sequence", "decoders": [{"type": "ByteFallback"}, metaspace("always", True)]}),
         dict(model={**small_json()["model"], "byte_fallback": False, "fuse_unk": False}),
         dict(model={**small_json()["model"], "byte_fallback": False, "unk_token": None}),
-        dict(model={**small_json()["model"], "ignore_merges": True}, normalizer=None, pre_tokenizer=metaspace("always", True)),
+        dict(model={**small_json()["model"], "ignore_merges": True}, normalizer=None,
+             pre_tokenizer=metaspace("always", True)),
     ]
-    texts = ["hello hll", "  he  llo ", " é\n hé", "<s>he</s>he", "he [x] l  hel▁lo", "", "   ", "\x00😀 ll", "lél"]
+    texts = ["hello hll", "  he  llo ", " é\n hé", "<s>he</s>he", "he [x] l  hel▁lo", "", "   ", "\x00😀 ll",
+             "lél"]
     for changes in variants:
         d = small_json(**changes)
         tok, lib = HFTokenizer(json.dumps(d)), tokenizers.Tokenizer.from_str(json.dumps(d))
         for text in texts:
             ids = lib.encode(text, add_special_tokens=False).ids
             assert tok.encode(text) == ids, (changes, text)
-            assert tok.decode(ids + [BYTE_ID[0xE2], 1, 264]) == lib.decode(ids + [BYTE_ID[0xE2], 1, 264], skip_special_tokens=True)
+            more = ids + [BYTE_ID[0xE2], 1, 264]
+            assert tok.decode(more) == lib.decode(more, skip_special_tokens=True), (changes, text)
             stream = tok.stream_decoder()
             assert "".join(stream.push(i) for i in ids) + stream.flush() == tok.decode(ids), (changes, text)
 
@@ -194,7 +201,8 @@ def test_json_round_trip_and_files():
     assert back.encode("hello [x]", bos=True) == tok.encode("hello [x]", bos=True)
     assert json.loads(tok.to_json())["type"] == "hf_tokenizer_json"
     files = tok.hf_files()
-    assert json.loads(files["tokenizer.json"]) == small_json() and json.loads(files["tokenizer_config.json"]) == SMALL_CONFIG
+    assert json.loads(files["tokenizer.json"]) == small_json()
+    assert json.loads(files["tokenizer_config.json"]) == SMALL_CONFIG
     assert HFTokenizer(json.dumps(small_json())) != tok      # no config: not the same tokenizer
 
 
@@ -241,8 +249,8 @@ def test_bos_eos_settings():
     (lambda: json.dumps(small_json(model={**small_json()["model"], "vocab": []})), "model.vocab"),
     (lambda: json.dumps(small_json(added_tokens={"a": 1})), "added_tokens"),
     (lambda: json.dumps(small_json(normalizer={"type": "Replace", "pattern": {"String": " "}})), "content"),
-    (lambda: json.dumps(small_json(post_processor={"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<x>"}}],
-                                                   "special_tokens": {}})), "<x>"),
+    (lambda: json.dumps(small_json(post_processor={"type": "TemplateProcessing", "special_tokens": {},
+                                                   "single": [{"SpecialToken": {"id": "<x>"}}]})), "<x>"),
 ])
 def test_malformed_files_raise_value_errors(make, match):
     with pytest.raises(TokenizerJSONError, match=match):
@@ -343,8 +351,9 @@ SHAKESPEARE_CHARS = 50_000  # a passage with no double spaces, where sentencepie
 SAME_AS_SENTENCEPIECE = [
     "Hello world", "Hello, world! How are you?", "tab\tseparated\ttext", "\ttab first", "line one\nline two",
     "a\nb", "\n\n", "\nleading newline", "trailing newline\n", "naïve café résumé", "Straße über Größe",
-    "日本語のテキスト", "中文文本测试", "العربية نص", "emoji 😀 and 🦙", "family 👩‍👩‍👧 ZWJ", "flag 🇫🇷 and skin 👍🏽",
-    "rare 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and \x00 control \x7f", "ROMEO:\nBut, soft! what light through yonder window breaks?",
+    "日本語のテキスト", "中文文本测试", "العربية نص", "emoji 😀 and 🦙", "family 👩‍👩‍👧 ZWJ",
+    "flag 🇫🇷 and skin 👍🏽", "rare 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 and \x00 control \x7f",
+    "ROMEO:\nBut, soft! what light through yonder window breaks?",
     "1234567890 3.14159", "",
 ]
 TEXTS = SAME_AS_SENTENCEPIECE + [
@@ -369,7 +378,8 @@ def _metaspace(scheme):
 def _rewrite(d: dict, model: str, variant: str) -> dict:
     """transformers 5's LlamaTokenizer file -> the other layouts real folders carry."""
     if variant == "legacy-file":  # the Llama 2 hub file (written by tokenizers < 0.14)
-        d.update(normalizer={"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"}, _R(" ", "▁", "String")]},
+        prepend = {"type": "Prepend", "prepend": "▁"}
+        d.update(normalizer={"type": "Sequence", "normalizers": [prepend, _R(" ", "▁", "String")]},
                  pre_tokenizer=None, model={**d["model"], "unk_token": "<unk>"})
     elif variant == "backend":    # AutoTokenizer, legacy (the default): a second '▁' for a leading space
         d.update(normalizer={"type": "Sequence", "normalizers": BACKEND_NORMALIZERS[model] + [_R("\\A▁", "▁▁")]},
