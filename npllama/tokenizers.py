@@ -319,6 +319,10 @@ def tokenizer_from_json(text: str):
         except ValueError as e:
             raise ValueError(f"tokenizer JSON holds a corrupt base64 sentencepiece model: {e}") from None
         return SentencePieceTokenizer(proto)
-    raise ValueError('tokenizer JSON must be {"type": "char", "chars": ...} or '
-                     '{"type": "sentencepiece", "model_proto_base64": ...}; got '
+    if kind == "hf_tokenizer_json":
+        from .tokenizer_json import from_json_dict
+        return from_json_dict(d)
+    raise ValueError('tokenizer JSON must be {"type": "char", "chars": ...}, '
+                     '{"type": "sentencepiece", "model_proto_base64": ...} or '
+                     '{"type": "hf_tokenizer_json", "tokenizer_json": ...}; got '
                      f"{(text[:80] + '...') if len(text) > 80 else text!r}")
