@@ -31,6 +31,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from .checks import check_int
+from .tokenizer_json import from_json_dict, hf_tokenizer, tokenizer_from_folder
 
 
 class CharTokenizer:
@@ -320,9 +321,29 @@ def tokenizer_from_json(text: str):
             raise ValueError(f"tokenizer JSON holds a corrupt base64 sentencepiece model: {e}") from None
         return SentencePieceTokenizer(proto)
     if kind == "hf_tokenizer_json":
-        from .tokenizer_json import from_json_dict
         return from_json_dict(d)
     raise ValueError('tokenizer JSON must be {"type": "char", "chars": ...}, '
                      '{"type": "sentencepiece", "model_proto_base64": ...} or '
                      '{"type": "hf_tokenizer_json", "tokenizer_json": ...}; got '
                      f"{(text[:80] + '...') if len(text) > 80 else text!r}")
+
+
+def tokenizer_from_file(path):
+    """The tokenizer stored at path: a sentencepiece .model file, a Hugging Face tokenizer.json
+    (its tokenizer_config.json beside it is read too), or a folder holding either."""
+    path = Path(os.fspath(path))
+    if path.is_dir():
+        if (path / "tokenizer.model").is_file():
+            return SentencePieceTokenizer.from_file(path / "tokenizer.model")
+        tokenizer, problem = tokenizer_from_folder(path)
+        if tokenizer is None:
+            raise ValueError(problem or f"{path} holds no tokenizer.model or tokenizer.json")
+        return tokenizer
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer {str(path)!r} not found; pass a sentencepiece .model file, a "
+                                "Hugging Face tokenizer.json, or a folder holding one")
+    if path.suffix == ".json":
+        config = path.parent / "tokenizer_config.json"
+        return hf_tokenizer(path.read_text(encoding="utf-8"),
+                            config.read_text(encoding="utf-8") if config.is_file() else None)
+    return SentencePieceTokenizer.from_file(path)

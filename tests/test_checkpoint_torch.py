@@ -128,3 +128,24 @@ def test_stories260k_greedy_continuation_matches_pytorch(tmp_path):
         for _ in range(n):
             ids.append(int(torch_forward(P, model.config, torch.tensor([ids]))[0, -1].argmax()))
     assert ids[1:] == ours
+
+
+def test_a_transformers_5_folder_with_only_tokenizer_json_generates_from_text(tmp_path):
+    """save_pretrained writes tokenizer.json and tokenizer_config.json, no tokenizer.model: npllama
+    reads that tokenizer, gets transformers' ids, and `npllama generate -p` works on the folder."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    from transformers.tokenization_utils_base import generate_merges
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(data_file("tok512.model")))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
+    tokenizer = transformers.LlamaTokenizer(vocab=vocab, merges=generate_merges(vocab), add_bos_token=True)
+    cfg = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, intermediate_size=40, num_hidden_layers=1,
+                                   vocab_size=512, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file() and not (tmp_path / "tokenizer.model").exists()
+    model = npllama.load(tmp_path)
+    text = "Once upon a time, Lily saw a big red ball. 🎈"
+    assert model.tokenizer.encode(text, bos=True) == tokenizer(text)["input_ids"]
+    from npllama.cli import main
+    assert main(["generate", "-m", str(tmp_path), "-p", "Once upon a time", "-n", "5", "--temp", "0"]) == 0

@@ -6,8 +6,9 @@
 What `load` accepts (the first match wins):
 
     a folder           Hugging Face LlamaForCausalLM: config.json plus model.safetensors, or shards
-                       listed in model.safetensors.index.json; tokenizer.model, when present,
-                       becomes model.tokenizer
+                       listed in model.safetensors.index.json; tokenizer.model or, without
+                       it, tokenizer.json (what transformers 5 writes) becomes model.tokenizer
+                       (a tokenizer.json npllama cannot run is a warning, not an error)
     *.safetensors      Meta or HF names; the config comes from the metadata key "npllama_config"
                        (save(format="meta") and training checkpoints write it) or from a
                        config.json beside the file (HF keys, or LlamaConfig.to_json keys)
@@ -40,7 +41,7 @@ from ..checks import check_dtype
 from ..config import LlamaConfig
 from ..llama import Llama
 from ..ops import rope_frequencies
-from ..tokenizers import SentencePieceTokenizer
+from ..tokenizers import SentencePieceTokenizer, tokenizer_from_folder
 from .atomic import write_bytes_atomic
 from .errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError, PICKLE_HINT
 from .hf import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_meta_name, is_hf_name, llama_to_hf_config,
@@ -262,6 +263,11 @@ def _read(path: Path, dtype: np.dtype, strict: bool) -> Loaded:
         tokenizer = tokenizer_from_metadata(metadata, source)
         if tokenizer is None and (path / "tokenizer.model").is_file():
             tokenizer = SentencePieceTokenizer.from_file(path / "tokenizer.model")
+        elif tokenizer is None:
+            # transformers 5's save_pretrained writes tokenizer.json only
+            tokenizer, problem = tokenizer_from_folder(path)
+            if problem:
+                warnings.warn(f"{problem}; the model loads without a tokenizer", stacklevel=3)
     else:
         refuse_pickle_name(path)
         suffix = path.suffix.lower()
@@ -296,8 +302,8 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
     dtype: np.float32 (default) or np.float64; every tensor is cast to it.
     strict: False turns unexpected extra tensors into a warning instead of an error.
     max_seq_len: override the config's (e.g. Llama 2's 4096 makes large RoPE tables).
-    model.tokenizer is set from the metadata key "npllama_tokenizer" or a folder's tokenizer.model,
-    else None.
+    model.tokenizer is set from the metadata key "npllama_tokenizer", or a folder's tokenizer.model
+    or tokenizer.json, else None.
     """
     loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len)
     model = Llama.from_params(loaded.config, loaded.params, dtype=dtype)
@@ -337,7 +343,8 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
 
     format="hf":   path is a folder (created if needed) holding model.safetensors (HF names,
                    q/k rows permuted to rotate-half order), config.json for LlamaForCausalLM,
-                   and tokenizer.model when model.tokenizer is SentencePiece (any other tokenizer
+                   and tokenizer.model when model.tokenizer is SentencePiece, tokenizer.json (and
+                   tokenizer_config.json) when it came from one (any other tokenizer
                    goes to the metadata key "npllama_tokenizer"). It loads with
                    transformers.LlamaForCausalLM.from_pretrained(path).
     format="meta": path is one .safetensors file with Meta names and metadata
@@ -371,6 +378,11 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
         proto = getattr(tokenizer, "model_proto", None)
         if isinstance(proto, (bytes, bytearray)):  # SentencePiece: the file transformers' LlamaTokenizer reads
             write_bytes_atomic(path / "tokenizer.model", bytes(proto))
+            del meta[TOKENIZER_KEY]
+        elif hasattr(tokenizer, "hf_files"):         # tokenizer.json (+ its config), as it was read
+            for name, text in tokenizer.hf_files().items():
+                if text is not None:
+                    write_bytes_atomic(path / name, text.encode("utf-8"))
             del meta[TOKENIZER_KEY]
         write_safetensors_atomic(path / "model.safetensors", {n: _cast_for_save(t, dname) for n, t in hf.items()},
                                  meta)
