@@ -69,7 +69,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-ids", type=_ids, default=argparse.SUPPRESS, metavar="ID,ID,...",
                    help="the prompt as token ids instead of text (needed when the model has no tokenizer)")
     p.add_argument("-n", "--max-new-tokens", "--n-predict", type=number(int, 0), default=argparse.SUPPRESS, metavar="N",
-                   help=f"new tokens at most [default: {DEFAULT_MAX_NEW_TOKENS}, or fewer if the context ends sooner]")
+                   help=f"new tokens at most, up to max_seq_len - (prompt tokens) + 1: the last is sampled at the "
+                        f"final position and never fed back, as llama2.c's run.c [default: {DEFAULT_MAX_NEW_TOKENS}, "
+                        "or fewer if the context ends sooner]")
     p.add_argument("--temp", "--temperature", dest="temperature", type=number(float, 0.0), default=0.8,
                    metavar="T", help="sampling temperature, >= 0; 0 is greedy (argmax)")
     p.add_argument("--top-k", type=number(int, 0), default=40, metavar="K",
@@ -180,15 +182,17 @@ def run(args: argparse.Namespace) -> int:
     prompt = _prompt_ids(args, tokenizer)
     n = args.max_new_tokens
     if n is None:
+        # to the very end of the context, as llama2.c's run.c: the last token is sampled from the
+        # final position's logits and never fed back, so max_seq_len - p + 1 fit
         n = DEFAULT_MAX_NEW_TOKENS if args.sliding_window else \
-            max(0, min(DEFAULT_MAX_NEW_TOKENS, cfg.max_seq_len - len(prompt)))
+            max(0, min(DEFAULT_MAX_NEW_TOKENS, cfg.max_seq_len - len(prompt) + 1))
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     stop_ids = [tokenizer.eos_id] if tokenizer is not None and tokenizer.eos_id is not None else []
     sampling = dict(temperature=args.temperature, top_k=args.top_k or None,
                     top_p=args.top_p if args.top_p < 1.0 else None, min_p=args.min_p or None,
                     repetition_penalty=args.repeat_penalty if args.repeat_penalty != 1.0 else None)
     stream = generate_stream(model, prompt, n, seed=seed, stop_ids=stop_ids,
-                             sliding_window=args.sliding_window, **sampling)
+                             sliding_window=args.sliding_window, fill_context=True, **sampling)
     shown = ", ".join(f"{k}={v}" for k, v in sampling.items() if v is not None and
                       (args.temperature > 0 or k == "repetition_penalty"))
     shown = shown if args.temperature > 0 else ", ".join(["greedy", shown]).rstrip(", ")
