@@ -137,7 +137,7 @@ def test_errors_name_the_problem(capsys, tmp_path, monkeypatch, char_model):
     assert code == 1 and "nope.safetensors" in err
     monkeypatch.setattr(cli_generate, "DEFAULT_MODEL", tmp_path / "weights" / "shakespeare-char.safetensors")
     code, _, err = run(capsys, "-p", "hi")
-    assert code == 1 and "shakespeare-char.safetensors" in err and "npllama train" in err
+    assert code == 1 and "shakespeare-char.safetensors" in err and "reinstall npllama" in err and "--model" in err
     code, _, err = run(capsys, "-m", path, "-p", "Speak!?#")
     assert code == 1 and "'!#?'" in err
     code, _, err = run(capsys, "-m", path, "--prompt-ids", "1,99")

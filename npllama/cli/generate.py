@@ -1,6 +1,6 @@
 """`npllama generate`: text from a checkpoint, streamed to stdout as it is sampled.
 
-    npllama generate --prompt "ROMEO:" -n 200                        # the model shipped in weights/
+    npllama generate --prompt "ROMEO:" -n 200                        # the model shipped with npllama
     npllama generate -m runs/x/ckpt.safetensors -p "First Citizen:" --temp 0.7 --top-k 40 -s 1
     npllama generate -m stories260K.bin --tokenizer tok512.model -p "Once upon a time"
     npllama generate -m model.safetensors --prompt-ids 1,15043,3186  # no tokenizer: ids in, ids out
@@ -26,7 +26,9 @@ from ..io import load
 from ..tokenizers import SentencePieceTokenizer
 from .args import number
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "weights" / "shakespeare-char.safetensors"
+# Package data, so a wheel generates offline from any folder. In the repository this is a link to
+# weights/shakespeare-char.safetensors, the one file to replace (tests/test_packaging.py).
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "weights" / "shakespeare-char.safetensors"
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -63,7 +65,7 @@ def register(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-m", "--model", default=argparse.SUPPRESS,
                    help="checkpoint: .safetensors (npllama, HF or training checkpoint), HF folder, or llama2.c .bin "
-                        f"[default: {DEFAULT_MODEL.relative_to(DEFAULT_MODEL.parents[1])}, made by `npllama train`]")
+                        f"[default: {DEFAULT_MODEL.name}, shipped with npllama, made by `npllama train`]")
     p.add_argument("-p", "--prompt", default=argparse.SUPPRESS,
                    help="text to continue [default: none: start from BOS (sentencepiece) or a newline (characters)]")
     p.add_argument("--prompt-ids", type=_ids, default=argparse.SUPPRESS, metavar="ID,ID,...",
@@ -110,8 +112,9 @@ def _load(args):
         if args.model:
             raise FileNotFoundError(f"--model {path} does not exist; pass a .safetensors file, a Hugging Face "
                                     "folder or a llama2.c .bin")
-        raise FileNotFoundError(f"no --model given and the default model {path} is not there; train it with "
-                                "`npllama train` (it writes weights/shakespeare-char.safetensors) or pass --model PATH")
+        raise FileNotFoundError(f"no --model given and the default model {path} is missing from the installed "
+                                "package; reinstall npllama (its wheel carries the model; in a git checkout the "
+                                "file is a link to weights/shakespeare-char.safetensors) or pass --model PATH")
     model = load(path, dtype=np.dtype(args.dtype))
     tokenizer = getattr(model, "tokenizer", None)
     if args.tokenizer:
