@@ -1,6 +1,6 @@
 """Shared fixtures: seeded RNGs, tiny configs, hypothesis profiles, and the data-file locator.
 
-Data files (TinyShakespeare, the Llama 2 tokenizer, stories260K.bin) are found through one
+Data files (TinyShakespeare, the Llama 2 tokenizer, stories260K.bin and its tok512.model) are found through one
 environment variable, NPLLAMA_DATA_DIR; `.ci/run` points it at ../shared/data and checks the
 files are there, so in CI these tests run. Elsewhere they skip with a reason that names the file.
 """
