@@ -1,6 +1,5 @@
 """`npllama train` end to end: flags <-> TrainConfig, a short real run, resume, errors and exit codes."""
 
-import builtins
 import dataclasses
 import importlib.util
 import json
@@ -15,7 +14,7 @@ from npllama.train import TrainConfig
 from npllama.train.chart import loss_chart
 from npllama.train.metrics import read_metrics
 
-from .conftest import data_file
+from .conftest import block_matplotlib, data_file
 
 
 @pytest.fixture
@@ -126,14 +125,7 @@ def test_plot_command_prints_the_chart_and_draws_the_png(shakespeare_slice, tmp_
     else:
         assert not (out / "loss.png").exists() and "pip install" in shown.err
 
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *a, **kw):
-        if name.startswith("matplotlib"):
-            raise ImportError("no matplotlib here")
-        return real_import(name, *a, **kw)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    block_matplotlib(monkeypatch)
     assert cli.main(["plot", str(out)]) == 0          # without matplotlib: the chart, and how to get the PNG
     shown = capsys.readouterr()
     assert "o validation" in shown.out and "matplotlib is not installed" in shown.err

@@ -17,6 +17,9 @@ from npllama.optim import AdamW
 from npllama.train import TrainConfig, TrainingDiverged, train, train_step
 from npllama.train.checkpoint import load_train_checkpoint, load_train_state, save_train_checkpoint
 
+from .conftest import block_matplotlib
+
+
 WORDS = ("thou art the king of all that lies beneath heaven and earth my lord good night sweet prince "
          "what light through yonder window breaks").split()
 
@@ -281,15 +284,7 @@ def test_loss_curve_or_how_to_get_it(text_file, tmp_path, monkeypatch):
         assert res.plot is not None and res.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert res.plot is None
-    import builtins
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *a, **kw):
-        if name.startswith("matplotlib"):
-            raise ImportError("no matplotlib here")
-        return real_import(name, *a, **kw)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    block_matplotlib(monkeypatch)
     log = io.StringIO()
     res = train(tiny_cfg(text_file, tmp_path / "q", max_steps=4), out=log)
     assert res.plot is None and "pip install" in log.getvalue()
