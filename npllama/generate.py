@@ -75,6 +75,10 @@ def _check_length(model, prompt_len, max_new_tokens, sliding_window, fill_contex
     position and never fed back (llama2.c's run.c); by default the sum stays within max_seq_len."""
     max_seq_len = model.config.max_seq_len
     limit = max_seq_len + 1 if fill_context else max_seq_len
+    if not sliding_window and prompt_len > max_seq_len:
+        raise ValueError(f"prompt of {prompt_len} tokens is longer than the model's max_seq_len={max_seq_len}; "
+                         "shorten it, or pass sliding_window=True (npllama generate --sliding-window) to keep "
+                         "its newest max_seq_len tokens")
     if not sliding_window and prompt_len + max_new_tokens > limit:
         room = max(0, limit - prompt_len)
         hint = ("" if fill_context else

@@ -175,8 +175,11 @@ def test_fill_context_admits_one_more_token_sampled_at_the_last_position(model64
                  lambda: generate_batch(model64, [prompt], n + 1, fill_context=True)):
         with pytest.raises(ValueError, match=f"at most {n} new tokens"):
             call()
-    # a prompt that fills the whole context still gets its one token
+    # a prompt that fills the whole context still gets its one token; a longer one is refused
     assert generate(model64, [5] * L, 1, fill_context=True).tolist() == naive_generate(model64, [5] * L, 1)
+    for n_new in (0, 1):
+        with pytest.raises(ValueError, match=f"longer than the model's max_seq_len={L}"):
+            generate(model64, [5] * (L + 1), n_new, fill_context=True)
     # a batch: the longest prompt reaches the end, the others are padded to it
     prompts = [[3], [1, 2, 3, 4, 5, 6, 7]]
     n = L - 7 + 1
