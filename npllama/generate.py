@@ -68,13 +68,28 @@ def _check_stop_ids(model, stop_ids) -> frozenset:
     return frozenset(ids)
 
 
-def _check_length(model, prompt_len, max_new_tokens, sliding_window):
+def _check_length(model, prompt_len, max_new_tokens, sliding_window, fill_context):
+    """The cache holds max_seq_len positions. Every new token but the last is fed back, so
+    prompt_len + max_new_tokens - 1 positions are computed: fill_context=True admits up to
+    max_seq_len - prompt_len + 1 new tokens, the last one sampled from the logits at the final
+    position and never fed back (llama2.c's run.c); by default the sum stays within max_seq_len."""
     max_seq_len = model.config.max_seq_len
-    if not sliding_window and prompt_len + max_new_tokens > max_seq_len:
+    limit = max_seq_len + 1 if fill_context else max_seq_len
+    if not sliding_window and prompt_len > max_seq_len:
+        raise ValueError(f"prompt of {prompt_len} tokens is longer than the model's max_seq_len={max_seq_len}; "
+                         "shorten it, or pass sliding_window=True (npllama generate --sliding-window) to keep "
+                         "its newest max_seq_len tokens")
+    if not sliding_window and prompt_len + max_new_tokens > limit:
+        room = max(0, limit - prompt_len)
+        hint = ("" if fill_context else
+                f"pass fill_context=True for one more token (up to max_seq_len - {prompt_len} + 1 = "
+                f"{max_seq_len - prompt_len + 1}, the last sampled at the final position and never fed back), ")
+        bound = f"the model's max_seq_len={max_seq_len}" + (
+            f" + 1 = {limit} (the last new token is never fed back, so it needs no position)" if fill_context else "")
         raise ValueError(
             f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = "
-            f"{prompt_len + max_new_tokens} passes the model's max_seq_len={max_seq_len}; "
-            "shorten the prompt, lower max_new_tokens, or pass sliding_window=True "
+            f"{prompt_len + max_new_tokens} passes {bound}: at most {room} new tokens fit; "
+            f"shorten the prompt, lower max_new_tokens, {hint}or pass sliding_window=True "
             "(npllama generate --sliding-window) to drop the oldest tokens as it goes")
 
 
@@ -147,7 +162,7 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
         done |= finished
         yield ids_out
         if done.all() or i + 1 == max_new_tokens:
-            return
+            return      # the last token is never fed back (with fill_context the cache is full by now)
         if seen is not None:
             seen[np.arange(B), ids] = True
         if sliding_window:
@@ -165,7 +180,7 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
 
 
 def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-             seed, stop_ids, sliding_window):
+             seed, stop_ids, sliding_window, fill_context):
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
     check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
     stop = _check_stop_ids(model, stop_ids)
@@ -173,7 +188,7 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, r
         # an over-long prompt keeps its newest max_seq_len tokens
         prompts = [p[-model.config.max_seq_len:] for p in prompts]
     for p in prompts:
-        _check_length(model, len(p), max_new_tokens, sliding_window)
+        _check_length(model, len(p), max_new_tokens, sliding_window, fill_context)
     rngs = _rngs(seed, len(prompts), temperature)
     return _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p,
                    repetition_penalty, rngs, stop, sliding_window)
@@ -182,16 +197,17 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, r
 def generate_stream(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
                     top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                     stop_ids=None, min_p: float | None = None, repetition_penalty: float | None = None,
-                    sliding_window: bool = False) -> Iterator[int]:
+                    sliding_window: bool = False, fill_context: bool = False) -> Iterator[int]:
     """Generator of new token ids (python ints), each yielded as soon as it is sampled.
 
     Arguments as in generate(). Every argument is checked when this is called, before the
     first id is asked for. sliding_window=True lifts the max_seq_len limit: when the cache is
     full, the newest max_seq_len // 2 tokens are prefilled again from position 0.
+    fill_context=True admits max_seq_len - len(prompt_ids) + 1 new tokens (see generate).
     """
     prompt = _check_prompt(model, prompt_ids)
     steps = _prepare(model, [prompt], max_new_tokens, temperature, top_k, top_p, min_p,
-                     repetition_penalty, seed, stop_ids, sliding_window)
+                     repetition_penalty, seed, stop_ids, sliding_window, fill_context)
 
     def ids():
         for step_ids in steps:
@@ -204,26 +220,29 @@ def generate_stream(model, prompt_ids, max_new_tokens: int, temperature: float =
 def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              stop_ids=None, min_p: float | None = None, repetition_penalty: float | None = None,
-             sliding_window: bool = False) -> np.ndarray:
+             sliding_window: bool = False, fill_context: bool = False) -> np.ndarray:
     """The new token ids after prompt_ids, as a 1-D int64 array (the prompt is not included).
 
     prompt_ids: 1-D ints in [0, vocab_size), at least one.
     max_new_tokens: how many new tokens at most; len(prompt_ids) + max_new_tokens > max_seq_len
-        raises ValueError (unless sliding_window=True, see generate_stream).
+        raises ValueError (unless sliding_window=True, see generate_stream). fill_context=True
+        admits one more, max_seq_len - len(prompt_ids) + 1 in all: the last token is sampled
+        from the logits at the final position and never fed back, as llama2.c's run.c does.
     temperature 0 is greedy argmax; otherwise tokens are drawn after top_k / top_p / min_p /
         repetition_penalty (see npllama.sampling), from np.random.default_rng(seed).
     stop_ids: token ids that end generation; the stop id itself is not returned.
     One prefill of the prompt, then one token a step through the KV cache.
     """
     return np.fromiter(generate_stream(model, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                                       seed, stop_ids, min_p, repetition_penalty, sliding_window),
+                                       seed, stop_ids, min_p, repetition_penalty, sliding_window,
+                                       fill_context),
                        dtype=np.int64)
 
 
 def generate_batch(model, prompts: Sequence, max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, top_p: float | None = None, seed=None, stop_ids=None,
                    min_p: float | None = None, repetition_penalty: float | None = None,
-                   sliding_window: bool = False) -> list[np.ndarray]:
+                   sliding_window: bool = False, fill_context: bool = False) -> list[np.ndarray]:
     """generate() for several prompts of any lengths at once: a list of 1-D arrays, one per prompt.
 
     Row b equals generate(model, prompts[b], ..., seed=seed) (greedy: the same ids; sampling:
@@ -237,7 +256,7 @@ def generate_batch(model, prompts: Sequence, max_new_tokens: int, temperature: f
     checked = [_check_prompt(model, p, name=f"prompts[{b}]") for b, p in enumerate(prompts)]
     outs = [[] for _ in checked]
     for step_ids in _prepare(model, checked, max_new_tokens, temperature, top_k, top_p, min_p,
-                             repetition_penalty, seed, stop_ids, sliding_window):
+                             repetition_penalty, seed, stop_ids, sliding_window, fill_context):
         for b, t in enumerate(step_ids):
             if t >= 0:
                 outs[b].append(int(t))

@@ -110,11 +110,13 @@ class Llama:
         return engine.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers)
 
     def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
-                 seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False):
+                 seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False,
+                 fill_context=False):
         """New token ids after prompt_ids (1-D), sampled with a KV cache: npllama.generate.generate."""
         return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids, min_p=min_p,
-                                   repetition_penalty=repetition_penalty, sliding_window=sliding_window)
+                                   repetition_penalty=repetition_penalty, sliding_window=sliding_window,
+                                   fill_context=fill_context)
 
     def generate_stream(self, prompt_ids, max_new_tokens=32, **sampling):
         """The ids of generate(), yielded one at a time as they are sampled: npllama.generate.generate_stream."""

@@ -1,10 +1,11 @@
 """Shared fixtures: seeded RNGs, tiny configs, hypothesis profiles, and the data-file locator.
 
-Data files (TinyShakespeare, the Llama 2 tokenizer, stories260K.bin) are found through one
+Data files (TinyShakespeare, the Llama 2 tokenizer, stories260K.bin and its tok512.model) are found through one
 environment variable, NPLLAMA_DATA_DIR; `.ci/run` points it at ../shared/data and checks the
 files are there, so in CI these tests run. Elsewhere they skip with a reason that names the file.
 """
 
+import builtins
 import os
 from pathlib import Path
 
@@ -32,6 +33,18 @@ def data_file(name: str) -> Path:
     if not path.is_file():
         pytest.skip(f"{name} not found in {DATA_DIR_VAR}={directory}")
     return path
+
+
+def block_matplotlib(monkeypatch) -> None:
+    """From now on in this test, importing matplotlib fails, as on a machine without it."""
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **kw):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """`npllama train` end to end: flags <-> TrainConfig, a short real run, resume, errors and exit codes."""
 
 import dataclasses
+import importlib.util
 import json
 
 import numpy as np
@@ -10,8 +11,10 @@ import npllama
 from npllama import cli
 from npllama.cli import train as cli_train
 from npllama.train import TrainConfig
+from npllama.train.chart import loss_chart
+from npllama.train.metrics import read_metrics
 
-from .conftest import data_file
+from .conftest import block_matplotlib, data_file
 
 
 @pytest.fixture
@@ -107,14 +110,23 @@ def test_malformed_flags_are_usage_errors(argv, capsys):
     assert "usage" in capsys.readouterr().err
 
 
-def test_plot_command_redraws_the_plot(shakespeare_slice, tmp_path):
-    pytest.importorskip("matplotlib")
+def test_plot_command_prints_the_chart_and_draws_the_png(shakespeare_slice, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    assert cli.main(["train", "--preset", "tiny", "--data", str(shakespeare_slice), "--max-steps", "3",
-                     "--sample-tokens", "0", "--out-dir", str(out)]) == 0
-    (out / "loss.png").unlink()
-    assert cli.main(["plot", str(out)]) == 0
-    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert cli.main(["train", "--preset", "tiny", "--data", str(shakespeare_slice), "--max-steps", "6",
+                     "--eval-interval", "3", "--sample-tokens", "0", "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "o validation" in printed and "    step  0" in printed      # the chart at the end of training
+    (out / "loss.png").unlink(missing_ok=True)
+    assert cli.main(["plot", str(out), "--width", "60", "--height", "8"]) == 0
+    shown = capsys.readouterr()
+    assert shown.out.startswith(loss_chart(*read_metrics(out / "metrics.jsonl"), width=60, height=8) + "\n")
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert not (out / "loss.png").exists() and "pip install" in shown.err
+
+    block_matplotlib(monkeypatch)
+    assert cli.main(["plot", str(out)]) == 0          # without matplotlib: the chart, and how to get the PNG
+    shown = capsys.readouterr()
+    assert "o validation" in shown.out and "matplotlib is not installed" in shown.err
     assert cli.main(["plot", str(tmp_path / "nothing")]) == 1
-    final = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert final["kind"] == "final" and final["step"] == 3 and np.isfinite(final["full_val_loss"])

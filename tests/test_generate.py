@@ -151,6 +151,42 @@ def test_length_limit_and_sliding_window(model64):
     assert len(generate(model64, list(range(5)) * L, 3, sliding_window=True)) == 3   # over-long prompt
 
 
+def test_fill_context_admits_one_more_token_sampled_at_the_last_position(model64):
+    """prompt p + max_new_tokens n = max_seq_len + 1 with fill_context=True (llama2.c's run.c): the
+    last token comes from the logits at position max_seq_len - 1 and is never fed back. Without the
+    keyword the contract's limit stands; + 2 fails either way."""
+    L = model64.config.max_seq_len
+    prompt = [1, 2, 3]
+    n = L - len(prompt) + 1
+    with pytest.raises(ValueError, match=f"max_seq_len={L}.*fill_context=True"):
+        generate(model64, prompt, n)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model64.generate(prompt, max_new_tokens=n)
+    out = generate(model64, prompt, n, fill_context=True)
+    assert out.tolist() == naive_generate(model64, prompt, n)           # forward over all L positions
+    assert out[:n - 1].tolist() == generate(model64, prompt, n - 1).tolist()
+    assert model64.generate(prompt, max_new_tokens=n, fill_context=True).tolist() == out.tolist()
+    assert list(generate_stream(model64, prompt, n, fill_context=True)) == out.tolist()
+    sampled = dict(temperature=1.0, top_k=4, seed=9)
+    assert generate(model64, prompt, n, fill_context=True, **sampled).tolist() == \
+        naive_generate(model64, prompt, n, **sampled)
+    for call in (lambda: generate(model64, prompt, n + 1, fill_context=True),
+                 lambda: generate_stream(model64, prompt, n + 1, fill_context=True),
+                 lambda: generate_batch(model64, [prompt], n + 1, fill_context=True)):
+        with pytest.raises(ValueError, match=f"at most {n} new tokens"):
+            call()
+    # a prompt that fills the whole context still gets its one token; a longer one is refused
+    assert generate(model64, [5] * L, 1, fill_context=True).tolist() == naive_generate(model64, [5] * L, 1)
+    for n_new in (0, 1):
+        with pytest.raises(ValueError, match=f"longer than the model's max_seq_len={L}"):
+            generate(model64, [5] * (L + 1), n_new, fill_context=True)
+    # a batch: the longest prompt reaches the end, the others are padded to it
+    prompts = [[3], [1, 2, 3, 4, 5, 6, 7]]
+    n = L - 7 + 1
+    outs = generate_batch(model64, prompts, n, fill_context=True)
+    assert [o.tolist() for o in outs] == [naive_generate(model64, p, n) for p in prompts]
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda m: generate(m, [], 3), "empty"),
     (lambda m: generate(m, [[1, 2]], 3), "1-D"),

@@ -115,13 +115,29 @@ def test_sliding_window_and_length_error(capsys, char_model):
     assert code == 0 and "100 tokens" in err
 
 
+def test_generates_to_the_very_end_of_the_context(capsys, char_model):
+    """Prompt p: the CLI gives max_seq_len - p + 1 new tokens by default (the last one sampled at the
+    final position, never fed back, as llama2.c's run.c), accepts -n up to that and refuses one more."""
+    path, model = char_model
+    tok = model.tokenizer
+    ids = tok.encode("Speak")
+    n = 64 - len(ids) + 1
+    expected = "Speak" + tok.decode(generate(model, ids, n, fill_context=True)) + "\n"
+    code, out, err = run(capsys, "-m", path, "-p", "Speak", "--temp", 0)
+    assert code == 0 and out == expected and f"{n} tokens" in err
+    code, out, _ = run(capsys, "-m", path, "-p", "Speak", "--temp", 0, "-n", n)
+    assert code == 0 and out == expected
+    code, _, err = run(capsys, "-m", path, "-p", "Speak", "--temp", 0, "-n", n + 1)
+    assert code == 1 and f"at most {n} new tokens" in err and "--sliding-window" in err
+
+
 def test_errors_name_the_problem(capsys, tmp_path, monkeypatch, char_model):
     path, _ = char_model
     code, _, err = run(capsys, "-m", tmp_path / "nope.safetensors")
     assert code == 1 and "nope.safetensors" in err
     monkeypatch.setattr(cli_generate, "DEFAULT_MODEL", tmp_path / "weights" / "shakespeare-char.safetensors")
     code, _, err = run(capsys, "-p", "hi")
-    assert code == 1 and "shakespeare-char.safetensors" in err and "npllama train" in err
+    assert code == 1 and "shakespeare-char.safetensors" in err and "reinstall npllama" in err and "--model" in err
     code, _, err = run(capsys, "-m", path, "-p", "Speak!?#")
     assert code == 1 and "'!#?'" in err
     code, _, err = run(capsys, "-m", path, "--prompt-ids", "1,99")

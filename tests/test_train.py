@@ -1,5 +1,6 @@
 """The training loop: exact resume, atomic checkpoints, divergence, gradient accumulation, budgets, BPE."""
 
+import importlib.util
 import io
 import json
 import math
@@ -15,6 +16,9 @@ from npllama.train import config as train_config, data as train_data, loop as tr
 from npllama.optim import AdamW
 from npllama.train import TrainConfig, TrainingDiverged, train, train_step
 from npllama.train.checkpoint import load_train_checkpoint, load_train_state, save_train_checkpoint
+
+from .conftest import block_matplotlib
+
 
 WORDS = ("thou art the king of all that lies beneath heaven and earth my lord good night sweet prince "
          "what light through yonder window breaks").split()
@@ -117,7 +121,8 @@ def test_failure_mid_save_keeps_the_previous_checkpoint(text_file, tmp_path, mon
         save_train_checkpoint(path, ck.model, ck.tokenizer, opt, dict(ck.state, step=99))
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert path.read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt.safetensors", "loss.png", "metrics.jsonl"]
+    left = sorted(p.name for p in out.iterdir() if p.name != "loss.png")   # loss.png: with matplotlib only
+    assert left == ["ckpt.safetensors", "metrics.jsonl"]
     assert load_train_state(path)["step"] == 4
     assert npllama.load(path).config == ck.model.config       # still a loadable model
 
@@ -274,22 +279,17 @@ def test_parse_duration():
 
 
 def test_loss_curve_or_how_to_get_it(text_file, tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
     res = train(tiny_cfg(text_file, tmp_path / "p", max_steps=4), out=io.StringIO())
-    assert res.plot is not None and res.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    import builtins
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *a, **kw):
-        if name.startswith("matplotlib"):
-            raise ImportError("no matplotlib here")
-        return real_import(name, *a, **kw)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    if importlib.util.find_spec("matplotlib"):
+        assert res.plot is not None and res.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert res.plot is None
+    block_matplotlib(monkeypatch)
     log = io.StringIO()
     res = train(tiny_cfg(text_file, tmp_path / "q", max_steps=4), out=log)
     assert res.plot is None and "pip install" in log.getvalue()
     assert "npllama plot" in log.getvalue()
+    assert "o validation" in log.getvalue() and "    last: train" in log.getvalue()   # the text chart still
 
 
 def test_export_writes_the_model_alone(text_file, tmp_path):

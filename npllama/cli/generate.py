@@ -1,6 +1,6 @@
 """`npllama generate`: text from a checkpoint, streamed to stdout as it is sampled.
 
-    npllama generate --prompt "ROMEO:" -n 200                        # the model shipped in weights/
+    npllama generate --prompt "ROMEO:" -n 200                        # the model shipped with npllama
     npllama generate -m runs/x/ckpt.safetensors -p "First Citizen:" --temp 0.7 --top-k 40 -s 1
     npllama generate -m stories260K.bin --tokenizer tok512.model -p "Once upon a time"
     npllama generate -m model.safetensors --prompt-ids 1,15043,3186  # no tokenizer: ids in, ids out
@@ -26,7 +26,9 @@ from ..io import load
 from ..tokenizers import SentencePieceTokenizer
 from .args import number
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "weights" / "shakespeare-char.safetensors"
+# Package data, so a wheel generates offline from any folder. In the repository this is a link to
+# weights/shakespeare-char.safetensors, the one file to replace (tests/test_packaging.py).
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "weights" / "shakespeare-char.safetensors"
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
@@ -63,13 +65,15 @@ def register(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-m", "--model", default=argparse.SUPPRESS,
                    help="checkpoint: .safetensors (npllama, HF or training checkpoint), HF folder, or llama2.c .bin "
-                        f"[default: {DEFAULT_MODEL.relative_to(DEFAULT_MODEL.parents[1])}, made by `npllama train`]")
+                        f"[default: {DEFAULT_MODEL.name}, shipped with npllama, made by `npllama train`]")
     p.add_argument("-p", "--prompt", default=argparse.SUPPRESS,
                    help="text to continue [default: none: start from BOS (sentencepiece) or a newline (characters)]")
     p.add_argument("--prompt-ids", type=_ids, default=argparse.SUPPRESS, metavar="ID,ID,...",
                    help="the prompt as token ids instead of text (needed when the model has no tokenizer)")
     p.add_argument("-n", "--max-new-tokens", "--n-predict", type=number(int, 0), default=argparse.SUPPRESS, metavar="N",
-                   help=f"new tokens at most [default: {DEFAULT_MAX_NEW_TOKENS}, or fewer if the context ends sooner]")
+                   help=f"new tokens at most, up to max_seq_len - (prompt tokens) + 1: the last is sampled at the "
+                        f"final position and never fed back, as llama2.c's run.c [default: {DEFAULT_MAX_NEW_TOKENS}, "
+                        "or fewer if the context ends sooner]")
     p.add_argument("--temp", "--temperature", dest="temperature", type=number(float, 0.0), default=0.8,
                    metavar="T", help="sampling temperature, >= 0; 0 is greedy (argmax)")
     p.add_argument("--top-k", type=number(int, 0), default=40, metavar="K",
@@ -108,8 +112,9 @@ def _load(args):
         if args.model:
             raise FileNotFoundError(f"--model {path} does not exist; pass a .safetensors file, a Hugging Face "
                                     "folder or a llama2.c .bin")
-        raise FileNotFoundError(f"no --model given and the default model {path} is not there; train it with "
-                                "`npllama train` (it writes weights/shakespeare-char.safetensors) or pass --model PATH")
+        raise FileNotFoundError(f"no --model given and the default model {path} is missing from the installed "
+                                "package; reinstall npllama (its wheel carries the model; in a git checkout the "
+                                "file is a link to weights/shakespeare-char.safetensors) or pass --model PATH")
     model = load(path, dtype=np.dtype(args.dtype))
     tokenizer = getattr(model, "tokenizer", None)
     if args.tokenizer:
@@ -180,15 +185,17 @@ def run(args: argparse.Namespace) -> int:
     prompt = _prompt_ids(args, tokenizer)
     n = args.max_new_tokens
     if n is None:
+        # to the very end of the context, as llama2.c's run.c: the last token is sampled from the
+        # final position's logits and never fed back, so max_seq_len - p + 1 fit
         n = DEFAULT_MAX_NEW_TOKENS if args.sliding_window else \
-            max(0, min(DEFAULT_MAX_NEW_TOKENS, cfg.max_seq_len - len(prompt)))
+            max(0, min(DEFAULT_MAX_NEW_TOKENS, cfg.max_seq_len - len(prompt) + 1))
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     stop_ids = [tokenizer.eos_id] if tokenizer is not None and tokenizer.eos_id is not None else []
     sampling = dict(temperature=args.temperature, top_k=args.top_k or None,
                     top_p=args.top_p if args.top_p < 1.0 else None, min_p=args.min_p or None,
                     repetition_penalty=args.repeat_penalty if args.repeat_penalty != 1.0 else None)
     stream = generate_stream(model, prompt, n, seed=seed, stop_ids=stop_ids,
-                             sliding_window=args.sliding_window, **sampling)
+                             sliding_window=args.sliding_window, fill_context=True, **sampling)
     shown = ", ".join(f"{k}={v}" for k, v in sampling.items() if v is not None and
                       (args.temperature > 0 or k == "repetition_penalty"))
     shown = shown if args.temperature > 0 else ", ".join(["greedy", shown]).rstrip(", ")

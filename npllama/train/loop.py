@@ -10,8 +10,8 @@ One optimizer step (`train_step`), with A = grad_accum micro-batches of B window
 Every eval_interval steps the loop estimates the validation loss on eval_batches fixed
 windows (the same windows every time, so the curve is comparable), prints a short sample,
 and writes the training checkpoint (train/checkpoint.py) atomically. A metrics log
-(metrics.jsonl) gets one line per step and per eval; at the end a loss curve (loss.png)
-is drawn when matplotlib is installed (train/metrics.py).
+(metrics.jsonl) gets one line per step and per eval; at the end the loss curve is printed as
+text (train/chart.py) and drawn as loss.png when matplotlib is installed (train/metrics.py).
 
 Randomness: the model's init uses `seed`; the training batches come from one
 np.random.Generator seeded from (seed, 1) whose state is saved in the checkpoint, so
@@ -40,7 +40,8 @@ from ..optim import AdamW, clip_grad_norm, lr_at
 from .checkpoint import CHECKPOINT_NAME, load_train_checkpoint, rng_from_state, rng_state, save_train_checkpoint
 from .config import TrainConfig, check_resume
 from .data import Corpus, get_batch, prepare_data
-from .metrics import METRICS_NAME, PLOT_NAME, MetricsLog, format_duration, plot_metrics
+from .chart import loss_chart
+from .metrics import METRICS_NAME, PLOT_NAME, MetricsLog, format_duration, plot_metrics, read_metrics
 
 
 # ---- the pieces of a step and of an evaluation -------------------------------------------------------
@@ -422,6 +423,7 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
         f.write(json.dumps({"kind": "final", "step": step, "full_val_loss": final_val}) + "\n")
     elapsed = time.perf_counter() - loop.run_start
     png = plot_metrics(loop.metrics.path, out_dir / PLOT_NAME)
+    log(loss_chart(*read_metrics(loop.metrics.path)))
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     shown_val = "?" if run.val_loss is None else f"{run.val_loss:.4f}"
     log(f"done: {step} steps, val loss {shown_val}, {format_duration(elapsed)} "
@@ -434,8 +436,8 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
     if png is not None:
         log(f"  loss curve  {png}")
     else:
-        log(f"  loss curve  not drawn: matplotlib is not installed (pip install 'npllama[plot]' or "
-            f"pip install matplotlib), then: npllama plot {out_dir}")
+        log(f"  loss curve  the chart above; {PLOT_NAME} not drawn: matplotlib is not installed (pip install "
+            f"'npllama[plot]' or pip install matplotlib), then: npllama plot {out_dir}")
     return TrainResult(step, run.val_loss, run.ckpt_path if run.saved_step is not None else None, loop.metrics.path,
                        png, stopped, elapsed, final_val, run.history)
 
