@@ -69,3 +69,14 @@ def test_tokenizer_from_file_reads_every_kind(tmp_path):
         tokenizer_from_file(tmp_path / "nope.model")
     with pytest.raises(ValueError, match="no tokenizer"):
         tokenizer_from_file(tmp_path)
+
+
+def test_generate_takes_a_tokenizer_json_through_the_tokenizer_flag(tmp_path, capsys):
+    from npllama.cli import main
+    model = small_model()
+    folder = npllama.save(model, tmp_path / "hf", format="hf")
+    model.tokenizer = None
+    bare = npllama.save(model, tmp_path / "bare.safetensors", format="meta")
+    assert main(["generate", "-m", str(bare), "--tokenizer", str(folder / "tokenizer.json"), "-p", "hello",
+                 "-n", "3", "--temp", "0"]) == 0
+    assert capsys.readouterr().out.startswith("hello")

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..generate import generate_stream
 from ..io import load
-from ..tokenizers import SentencePieceTokenizer
+from ..tokenizers import tokenizer_from_file
 from .args import number
 
 # Package data, so a wheel generates offline from any folder. In the repository this is a link to
@@ -86,9 +86,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="CTRL penalty on tokens already in the prompt or output (> 1 discourages repeats); 1 = off")
     p.add_argument("-s", "--seed", type=number(int, 0), default=argparse.SUPPRESS,
                    help="random seed; the same seed and flags give the same text [default: a fresh one, printed]")
-    p.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="SPM_FILE",
-                   help="a sentencepiece .model file to use instead of the tokenizer in the checkpoint "
-                        "[default: the checkpoint's]")
+    p.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="PATH",
+                   help="the tokenizer to use instead of the checkpoint's: a sentencepiece .model file, a "
+                        "Hugging Face tokenizer.json, or a folder holding one [default: the checkpoint's]")
     p.add_argument("--stop", action="append", type=_unescape, default=argparse.SUPPRESS, metavar="STR",
                    help="stop before this text appears (repeatable; \\n and \\t mean newline and tab); "
                         "EOS always stops")
@@ -118,7 +118,7 @@ def _load(args):
     model = load(path, dtype=np.dtype(args.dtype))
     tokenizer = getattr(model, "tokenizer", None)
     if args.tokenizer:
-        tokenizer = SentencePieceTokenizer.from_file(args.tokenizer)
+        tokenizer = tokenizer_from_file(args.tokenizer)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}: they do not belong together; pass the model's own "
@@ -133,7 +133,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
         return list(args.prompt_ids)
     if tokenizer is None:
         raise ValueError("this model carries no tokenizer, so a text --prompt cannot be encoded; pass "
-                         "--tokenizer SPM_FILE, or the prompt as ids with --prompt-ids 1,2,3")
+                         "--tokenizer PATH, or the prompt as ids with --prompt-ids 1,2,3")
     bos = tokenizer.bos_id is not None and not args.no_bos
     text = args.prompt
     if not text and not bos:
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     path, model, tokenizer = _load(args)
     cfg = model.config
     if args.stop and tokenizer is None:
-        raise ValueError("--stop compares text, which needs a tokenizer (--tokenizer SPM_FILE)")
+        raise ValueError("--stop compares text, which needs a tokenizer (--tokenizer PATH)")
     prompt = _prompt_ids(args, tokenizer)
     n = args.max_new_tokens
     if n is None:
