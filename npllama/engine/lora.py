@@ -14,12 +14,15 @@ into one (k r, in) matrix:
 and never dW = dy^T x, the GEMM that costs as much as the forward. The model-level chain rule
 is npllama.model.loss_and_grads with frozen=True (no gradient for the output layer, the norms
 or the embedding). Because the base never changes, its stacks are built once, and the params
-dict is pointed at views of them (freeze_stacked), so they cost no memory beyond the weights.
+dict is pointed at views of them (freeze_stacked), so they cost no memory beyond the weights
+(the plain engine stacks copies at every call), and the frozen GEMMs are the base model's own:
+with B = 0 the logits equal the base model's bit for bit.
 tests/engine/test_lora_engine.py checks all of it against npllama.lora (float64, 1e-10).
 """
 
 from __future__ import annotations
 
+import ctypes
 from functools import partial
 from typing import NamedTuple
 
@@ -118,7 +121,20 @@ def freeze_stacked(params: dict, config: LlamaConfig) -> list[StackedLayer]:
         stacked = stack_layer(layer_weights(params, i))
         params.update(zip(layer_param_names(i), unstack(stacked, config.n_heads, config.n_kv_heads)))
         frozen.append(stacked)
+    release_freed_memory()
     return frozen
+
+
+def release_freed_memory() -> None:
+    """Hand the pages of freed heap memory back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    glibc keeps the chunks of freed arrays mapped for reuse by later allocations, so without
+    this the matrices the stacks replaced would stay in the process's memory.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):        # not glibc: its allocator returns memory itself, or keeps it
+        pass
 
 
 def adapted_stack(weight: np.ndarray, members: tuple, sizes: list[int], i: int, adapters: dict,
