@@ -163,6 +163,9 @@ class LoraLlama:
             adapters = {n: np.ascontiguousarray(adapters[n], dtype=base.dtype)
                         for n in adapter_shapes(base.config, spec)}
         self.params = adapters
+        # where the base came from, when it is a file: a LoRA checkpoint records both (io/lora.py)
+        self.base_path: str | None = None
+        self.base_sha256: str | None = None
         self._frozen = freeze_stacked(base.params, base.config)
 
     def _blocks(self):

@@ -38,8 +38,9 @@ from ..llama import Llama
 from ..ops import cross_entropy_forward
 from ..optim import AdamW, clip_grad_norm, lr_at
 from .checkpoint import CHECKPOINT_NAME, load_train_checkpoint, rng_from_state, rng_state, save_train_checkpoint
-from .config import TrainConfig, check_resume
+from .config import TrainConfig, check_resume, export_format
 from .data import Corpus, get_batch, prepare_data
+from .finetune import describe_init, init_model
 from .metrics import METRICS_NAME, PLOT_NAME, MetricsLog, format_duration, plot_metrics
 
 
@@ -190,15 +191,20 @@ class Run:
                      weight_decay=cfg.weight_decay)
 
 
-def new_run(cfg: TrainConfig, log) -> Run:
-    """A fresh model of the config's shape, on the text's tokens, with the batch generator at (seed, 1)."""
+def new_run(cfg: TrainConfig, log, explicit=()) -> Run:
+    """A fresh model of the config's shape (or the --init model: train/finetune.py), on the text's
+    tokens, with the batch generator at (seed, 1). explicit: the fields the user set (init_model)."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
     if ckpt_path.exists():
         raise ValueError(f"{ckpt_path} already exists; add --resume to continue that run, or choose another "
                          "--out-dir (or delete the folder) to start a new one")
-    corpus = prepare_data(cfg, log=log)
-    model = Llama(cfg.model_config(corpus.tokenizer.vocab_size), seed=cfg.seed, dtype=np.dtype(cfg.dtype))
-    model.tokenizer = corpus.tokenizer
+    if cfg.init:
+        model, cfg = init_model(cfg, explicit)
+        corpus = prepare_data(cfg, tokenizer=model.tokenizer, log=log)
+    else:
+        corpus = prepare_data(cfg, log=log)
+        model = Llama(cfg.model_config(corpus.tokenizer.vocab_size), seed=cfg.seed, dtype=np.dtype(cfg.dtype))
+        model.tokenizer = corpus.tokenizer
     run = Run(cfg, model, None, corpus, np.random.default_rng([cfg.seed, 1]), start_step=0)
     run.optimizer = run.new_optimizer()
     return run
@@ -277,7 +283,9 @@ def log_header(run: Run, preset_name: str | None, log) -> None:
     log(f"  data       {corpus.text_path}: train {len(corpus.train_ids):,} / val {len(corpus.val_ids):,} tokens")
     log(f"  tokenizer  {cfg.tokenizer}, vocab {mcfg.vocab_size}")
     log(f"  model      dim {mcfg.dim}, {mcfg.n_layers} layers, {mcfg.n_heads} heads ({mcfg.n_kv_heads} kv), hidden "
-        f"{mcfg.hidden_dim}, seq {cfg.seq_len} (max {mcfg.max_seq_len}): {run.model.n_params():,} params, {cfg.dtype}")
+        f"{mcfg.hidden_dim}, seq {cfg.seq_len} (max {mcfg.max_seq_len}): {mcfg.n_params():,} params, {cfg.dtype}")
+    if cfg.init:
+        log(f"  init       {describe_init(run.model, cfg)}")
     log(f"  optimizer  AdamW lr {cfg.lr:g} -> {cfg.min_lr:g} (warm-up {cfg.warmup_steps}, cosine to step "
         f"{cfg.decay_steps}), betas ({cfg.beta1}, {cfg.beta2}), weight decay {cfg.weight_decay}, clip {cfg.grad_clip}")
     log(f"  batch      {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum} accum = "
@@ -415,7 +423,7 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
     """Export, the full validation loss, the loss curve, and the closing summary."""
     cfg, out_dir = run.cfg, Path(run.cfg.out_dir)
     if cfg.export:
-        save(run.model, cfg.export, format="meta")
+        save(run.model, cfg.export, format=export_format(cfg.export))     # LoRA: merged
     # the deterministic figure to quote: every validation token once, in windows of seq_len
     final_val = full_val_loss(run.model, run.corpus.val_ids, cfg.seq_len, cfg.batch_size)
     with open(loop.metrics.path, "a", encoding="utf-8") as f:
@@ -440,16 +448,19 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
                        png, stopped, elapsed, final_val, run.history)
 
 
-def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None = None) -> TrainResult:
+def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None = None,
+          explicit=()) -> TrainResult:
     """Run (or resume) training as cfg says; returns what happened. See the module docstring.
 
+    explicit: the fields the user set (npllama train's flags): with --init, those that fix the
+    architecture must agree with the checkpoint (train/finetune.py); the others follow it.
     Raises ValueError for unusable settings, FileNotFoundError for missing data or checkpoint,
     and TrainingDiverged when the loss stops being finite (the last checkpoint is kept).
     """
     console = Console(out or sys.stdout)
     cfg.validate()
     run_start = time.perf_counter()
-    run = resume_run(cfg, console.log) if cfg.resume else new_run(cfg, console.log)
+    run = resume_run(cfg, console.log) if cfg.resume else new_run(cfg, console.log, explicit)
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     plan(run, run_start, console.log)
     log_header(run, preset_name, console.log)
