@@ -19,14 +19,15 @@ from ..tokenizers import SentencePieceTokenizer
 from ..train.config import export_format
 
 
+DESCRIPTION = ("Read any checkpoint npllama reads (a training checkpoint, LoRA adapters with their base, an HF "
+               "folder, a .safetensors, a llama2.c .bin) and write the model alone: a folder that transformers' "
+               "LlamaForCausalLM.from_pretrained loads, or one .safetensors file with Meta names and the config "
+               "in its metadata. LoRA adapters are merged: W + (alpha / r) B A.")
+
+
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "export", help="write a checkpoint as a Hugging Face folder or one .safetensors (LoRA merged)",
-        description="Read any checkpoint npllama reads (a training checkpoint, LoRA adapters with their base, "
-                    "an HF folder, a .safetensors, a llama2.c .bin) and write the model alone: a folder that "
-                    "transformers' LlamaForCausalLM.from_pretrained loads, or one .safetensors file with Meta "
-                    "names and the config in its metadata. LoRA adapters are merged: W + (alpha / r) B A.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser("export", description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                              help="write a checkpoint as a Hugging Face folder or one .safetensors (LoRA merged)")
     p.add_argument("-m", "--model", required=True, metavar="PATH", help="the checkpoint to export")
     p.add_argument("-o", "--out", required=True, metavar="PATH",
                    help="a folder (Hugging Face layout), or a file ending in .safetensors (Meta names)")

@@ -77,6 +77,14 @@ def init_model(cfg: TrainConfig, explicit=()) -> tuple[Llama | LoraLlama, TrainC
     return model, cfg
 
 
+def init_architecture(saved: TrainConfig, cfg: TrainConfig, explicit=()) -> TrainConfig:
+    """cfg for resuming the run saved with `saved`: for an --init run, the architecture fields not set
+    explicitly are the saved ones (they came from the checkpoint), so only explicit changes are refused."""
+    if not saved.init:
+        return cfg
+    return cfg.replace(**{n: getattr(saved, n) for n in ARCHITECTURE_FIELDS if n not in explicit})
+
+
 def describe_init(model, cfg: TrainConfig) -> str:
     """One header line: where the weights come from, and what trains."""
     if isinstance(model, LoraLlama):

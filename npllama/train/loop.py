@@ -40,7 +40,7 @@ from ..optim import AdamW, clip_grad_norm, lr_at
 from .checkpoint import CHECKPOINT_NAME, load_train_checkpoint, rng_from_state, rng_state, save_train_checkpoint
 from .config import TrainConfig, check_resume, export_format
 from .data import Corpus, get_batch, prepare_data
-from .finetune import describe_init, init_model
+from .finetune import describe_init, init_architecture, init_model
 from .metrics import METRICS_NAME, PLOT_NAME, MetricsLog, format_duration, plot_metrics
 
 
@@ -210,11 +210,13 @@ def new_run(cfg: TrainConfig, log, explicit=()) -> Run:
     return run
 
 
-def resume_run(cfg: TrainConfig, log) -> Run:
+def resume_run(cfg: TrainConfig, log, explicit=()) -> Run:
     """The run saved in OUT_DIR/ckpt.safetensors, exactly where it stopped, with cfg's non-structural values."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
     ck = load_train_checkpoint(ckpt_path)
-    check_resume(TrainConfig.from_dict(ck.state["train_config"]), cfg, ckpt_path)
+    saved = TrainConfig.from_dict(ck.state["train_config"])
+    cfg = init_architecture(saved, cfg, explicit)
+    check_resume(saved, cfg, ckpt_path)
     model = ck.model
     if model.dtype != np.dtype(cfg.dtype):
         raise ValueError(f"{ckpt_path} holds {model.dtype} parameters but --dtype is {cfg.dtype}")
@@ -281,7 +283,7 @@ def log_header(run: Run, preset_name: str | None, log) -> None:
     log(f"npllama train{f' --preset {preset_name}' if preset_name else ''}"
         f"{f' --resume from step {run.start_step}' if cfg.resume else ''}")
     log(f"  data       {corpus.text_path}: train {len(corpus.train_ids):,} / val {len(corpus.val_ids):,} tokens")
-    log(f"  tokenizer  {cfg.tokenizer}, vocab {mcfg.vocab_size}")
+    log(f"  tokenizer  {f'from {cfg.init_tokenizer or cfg.init}' if cfg.init else cfg.tokenizer}, vocab {mcfg.vocab_size}")
     log(f"  model      dim {mcfg.dim}, {mcfg.n_layers} layers, {mcfg.n_heads} heads ({mcfg.n_kv_heads} kv), hidden "
         f"{mcfg.hidden_dim}, seq {cfg.seq_len} (max {mcfg.max_seq_len}): {mcfg.n_params():,} params, {cfg.dtype}")
     if cfg.init:
@@ -460,7 +462,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
     console = Console(out or sys.stdout)
     cfg.validate()
     run_start = time.perf_counter()
-    run = resume_run(cfg, console.log) if cfg.resume else new_run(cfg, console.log, explicit)
+    run = resume_run(cfg, console.log, explicit) if cfg.resume else new_run(cfg, console.log, explicit)
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     plan(run, run_start, console.log)
     log_header(run, preset_name, console.log)
