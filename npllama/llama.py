@@ -1,4 +1,5 @@
 """Llama: the public model object. Parameters in a flat dict keyed by Meta's names, and methods.
+LoraLlama: a frozen Llama with LoRA adapters, the object a LoRA fine-tuning run trains.
 
     model = Llama(config, seed=0, dtype=np.float32)
     logits = model.forward(tokens)                          # (B, T) ints -> (B, T, V)

@@ -12,7 +12,8 @@ and the model is
     logits = output( rmsnorm( block_L( ... block_1( tok_embeddings[tokens] ) ... ) ) )
 
 block_backward is block_forward read bottom-up, one op per line, and loss_and_grads is
-forward followed by the chain rule from the loss back to every parameter.
+forward followed by the chain rule from the loss back to every parameter. (A projection whose
+weight is Adapted runs through the LoRA op instead of the plain linear one: npllama/lora.py.)
 
 Everything here is a pure function of (params, config, arrays): single-threaded, no state, no
 process-wide settings. npllama.Llama runs the same arithmetic through npllama.engine, which

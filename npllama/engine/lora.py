@@ -7,9 +7,12 @@ into one (k r, in) matrix:
 
     forward    y = x W^T                       one GEMM, as the plain engine
                xa = x [A_1; ...; A_k]^T        one thin GEMM for every adapter of the stack
-               y[:, rows_j] += s xa_j B_j^T    per adapted member
-    backward   dx = dy W + s [dy_1 B_1 | ... | dy_k B_k] [A_1; ...; A_k]
-               dA_j = s (dy_j B_j)^T x  (one GEMM for all j),   dB_j = s dy_j^T xa_j
+               y[:, rows_j] += xa_j (s B_j)^T  per adapted member
+    backward   g = [dy_1 (s B_1) | ... | dy_k (s B_k)]          (N, k r): s (dy_j B_j), side by side
+               dx = dy W + g [A_1; ...; A_k]
+               dA_j = g_j^T x  (one GEMM for all j),   dB_j = s dy_j^T xa_j
+
+with s folded into the small B_j once per step, so no pass over an (N, .) array only scales.
 
 and never dW = dy^T x, the GEMM that costs as much as the forward. The model-level chain rule
 is npllama.model.loss_and_grads with frozen=True (no gradient for the output layer, the norms
@@ -47,7 +50,7 @@ class AdaptedStack(NamedTuple):
     members: tuple                   # per member: its slice of the output rows
     adapted: tuple                   # the indices of the members that have adapters
     a: np.ndarray | None             # (k r, in): their A matrices, stacked (None without adapters)
-    b: tuple                         # per adapted member: B (out_j, r)
+    b: tuple                         # per adapted member: s B (out_j, r), the scale folded in
     scale: float                     # s = alpha / r
 
     @property
@@ -70,7 +73,7 @@ def adapted_forward(x, w: AdaptedStack):
     xa = x.reshape(-1, x.shape[-1]) @ w.a.T                     # (N, in) @ (in, k r) -> (N, k r)
     y2 = y.reshape(-1, y.shape[-1])                             # a view: the adds land in y
     for n, j in enumerate(w.adapted):
-        y2[:, w.members[j]] += w.scale * (xa[:, n * r:(n + 1) * r] @ w.b[n].T)   # (N, r) @ (r, out_j)
+        y2[:, w.members[j]] += xa[:, n * r:(n + 1) * r] @ w.b[n].T   # (N, r) @ (r, out_j)
     return y, AdaptedCache(x, w, xa)
 
 
@@ -87,12 +90,12 @@ def adapted_backward(dy, cache: AdaptedCache):
     k = len(w.adapted)
     r = w.a.shape[0] // k
     dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    dyb = np.empty((dy2.shape[0], k * r), dtype=dy.dtype)      # [dy_1 B_1 | ... | dy_k B_k], (N, k r)
+    g = np.empty((dy2.shape[0], k * r), dtype=dy.dtype)        # [dy_1 (s B_1) | ... | dy_k (s B_k)], (N, k r)
     for n, j in enumerate(w.adapted):
-        np.matmul(dy2[:, w.members[j]], w.b[n], out=dyb[:, n * r:(n + 1) * r])
+        np.matmul(dy2[:, w.members[j]], w.b[n], out=g[:, n * r:(n + 1) * r])
     dx2 = dx.reshape(-1, dx.shape[-1])                          # a view: the add lands in dx
-    dx2 += w.scale * (dyb @ w.a)                                # (N, k r) @ (k r, in)
-    da = w.scale * (dyb.T @ x2)                                 # (k r, N) @ (N, in) -> (k r, in)
+    dx2 += g @ w.a                                              # (N, k r) @ (k r, in)
+    da = g.T @ x2                                               # (k r, N) @ (N, in) -> (k r, in)
     for n, j in enumerate(w.adapted):
         db = w.scale * (dy2[:, w.members[j]].T @ xa[:, n * r:(n + 1) * r])   # (out_j, N) @ (N, r)
         grads[j] = LoraGrads(da[n * r:(n + 1) * r], db)
@@ -145,7 +148,7 @@ def adapted_stack(weight: np.ndarray, members: tuple, sizes: list[int], i: int, 
     stems = [weight_name(i, t).removesuffix(".weight") for t in members]
     adapted = tuple(j for j, t in enumerate(members) if spec.rank and t in spec.targets)
     a = np.concatenate([adapters[stems[j] + ".lora_a"] for j in adapted]) if adapted else None
-    b = tuple(adapters[stems[j] + ".lora_b"] for j in adapted)
+    b = tuple(spec.scale * adapters[stems[j] + ".lora_b"] for j in adapted)
     return AdaptedStack(weight, rows, adapted, a, b, spec.scale)
 
 
