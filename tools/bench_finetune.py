@@ -129,7 +129,7 @@ def run_torch(cfg, mode, B, T, rank, warmup, steps, threads):
         for p in model.parameters():
             p.requires_grad_(False)
         for layer in model.layers:
-            for parent, names in ((layer.attention, ("wq", "wk", "wv", "wo")), (layer.feed_forward, ("w1", "w2", "w3"))):
+            for parent, names in ((layer.attention, TARGETS[:4]), (layer.feed_forward, TARGETS[4:])):
                 for name in names:
                     setattr(parent, name, LoraLinear(getattr(parent, name), rank, 2.0 * rank))
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -47,7 +47,7 @@ def block_forward(x, w: StackedLayer, cos, sin, *, eps, kv=None, start_pos=0, ma
     H = w.wo.shape[1] // Dh
     KVH = (w.wqkv.shape[0] // Dh - H) // 2
     xn, c_attention_norm = rmsnorm_forward(x, w.attention_norm, eps)
-    qkv, c_wqkv = project(xn, w.wqkv)                                # (B, T, (H + 2 KVH) Dh)
+    qkv, c_wqkv = project(xn, w.wqkv)                                       # (B, T, (H + 2 KVH) Dh)
     heads = qkv.reshape(B, T, H + 2 * KVH, Dh).transpose(0, 2, 1, 3)        # -> (B, H + 2 KVH, T, Dh)
     q, k, v = heads[:, :H], heads[:, H:H + KVH], heads[:, H + KVH:]        # (B, H | KVH | KVH, T, Dh)
     q, c_rope_q = rope_forward(q, cos, sin)
@@ -61,7 +61,7 @@ def block_forward(x, w: StackedLayer, cos, sin, *, eps, kv=None, start_pos=0, ma
     o, c_wo = project(att, w.wo)
     h = x + o
     hn, c_ffn_norm = rmsnorm_forward(h, w.ffn_norm, eps)
-    ab, c_w13 = project(hn, w.w13)                                   # (B, T, 2F): [gate | up]
+    ab, c_w13 = project(hn, w.w13)                                          # (B, T, 2F): [gate | up]
     F = ab.shape[-1] // 2
     g, c_swiglu = swiglu_forward(ab[..., :F], ab[..., F:])
     f, c_w2 = project(g, w.w2)
@@ -85,7 +85,7 @@ def block_backward(dout, cache: StackedBlockCache, *, project_backward=linear_ba
     F = dg.shape[-1]
     dab = np.empty((B, T, 2 * F), dtype=dout.dtype)                        # [dgate | dup], the w13 layout
     swiglu_backward(dg, cache.swiglu, out=(dab[..., :F], dab[..., F:]))
-    dhn, dw13 = project_backward(dab, cache.w13)                             # sums the w1 and w3 branches
+    dhn, dw13 = project_backward(dab, cache.w13)                            # sums the w1 and w3 branches
     dh_branch, dffn_norm = rmsnorm_backward(dhn, cache.ffn_norm)
     dh = dout + dh_branch
     datt, dwo = project_backward(dh, cache.wo)
@@ -99,7 +99,7 @@ def block_backward(dout, cache: StackedBlockCache, *, project_backward=linear_ba
     dqkv[:, :, :H] = dq.transpose(0, 2, 1, 3)                              # (B, H, T, Dh) -> (B, T, H, Dh)
     dqkv[:, :, H:H + KVH] = dk.transpose(0, 2, 1, 3)
     dqkv[:, :, H + KVH:] = dv.transpose(0, 2, 1, 3)
-    dxn, dwqkv = project_backward(dqkv.reshape(B, T, -1), cache.wqkv)       # sums the q, k and v branches
+    dxn, dwqkv = project_backward(dqkv.reshape(B, T, -1), cache.wqkv)      # sums the q, k and v branches
     dx_branch, dattention_norm = rmsnorm_backward(dxn, cache.attention_norm)
     dx = dh + dx_branch
     return dx, gradients(StackedLayer(dattention_norm, dwqkv, dwo, dffn_norm, dw13, dw2), H, KVH)

@@ -48,8 +48,8 @@ from .hf import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_met
                  meta_to_hf, meta_to_hf_name, permute_hf_to_meta)
 from .llama2c import read_llama2c
 from .lora import read_adapted
-from .metadata import (CONFIG_KEY, LORA_KEY, OPTIMIZER_PREFIX, TOKENIZER_KEY, config_from_metadata, is_training_checkpoint,
-                       model_metadata, tokenizer_from_metadata)
+from .metadata import (CONFIG_KEY, LORA_KEY, OPTIMIZER_PREFIX, TOKENIZER_KEY, config_from_metadata,
+                       is_training_checkpoint, model_metadata, tokenizer_from_metadata)
 from .pickles import looks_pickled_name, refuse_pickle_magic, refuse_pickle_name
 from .safetensors import f32_to_bf16, read_safetensors, write_safetensors_atomic
 

@@ -283,7 +283,8 @@ def log_header(run: Run, preset_name: str | None, log) -> None:
     log(f"npllama train{f' --preset {preset_name}' if preset_name else ''}"
         f"{f' --resume from step {run.start_step}' if cfg.resume else ''}")
     log(f"  data       {corpus.text_path}: train {len(corpus.train_ids):,} / val {len(corpus.val_ids):,} tokens")
-    log(f"  tokenizer  {f'from {cfg.init_tokenizer or cfg.init}' if cfg.init else cfg.tokenizer}, vocab {mcfg.vocab_size}")
+    tokenizer = f"from {cfg.init_tokenizer or cfg.init}" if cfg.init else cfg.tokenizer
+    log(f"  tokenizer  {tokenizer}, vocab {mcfg.vocab_size}")
     log(f"  model      dim {mcfg.dim}, {mcfg.n_layers} layers, {mcfg.n_heads} heads ({mcfg.n_kv_heads} kv), hidden "
         f"{mcfg.hidden_dim}, seq {cfg.seq_len} (max {mcfg.max_seq_len}): {mcfg.n_params():,} params, {cfg.dtype}")
     if cfg.init:

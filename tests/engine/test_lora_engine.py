@@ -61,7 +61,8 @@ def test_zero_b_and_rank_zero_give_the_base_logits_bit_for_bit(cfg, target_list,
     for dtype in (np.float32, np.float64):
         expected = _model(cfg, base, dtype).forward(tokens)
         for rank in (0, 3):                          # rank 0: no adapters; rank 3: B = 0 at init
-            adapted = LoraLlama(_model(cfg, base, dtype), lora.LoraSpec(rank=rank, targets=tuple(target_list)), seed=seed)
+            spec = lora.LoraSpec(rank=rank, targets=tuple(target_list))
+            adapted = LoraLlama(_model(cfg, base, dtype), spec, seed=seed)
             assert np.array_equal(adapted.forward(tokens), expected)
             assert np.array_equal(adapted.merged().forward(tokens), expected)
 

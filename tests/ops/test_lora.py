@@ -33,7 +33,8 @@ def test_lora_equals_the_merged_weight_and_gradcheck(B, T, n_in, n_out, r, s):
 def test_zero_b_or_rank_zero_is_exactly_the_frozen_linear(B, T, n_in, n_out, r, s):
     rng = np.random.default_rng(s)
     x = rng.standard_normal((B, T, n_in)).astype(np.float32)
-    w, a, _, scale = (t.astype(np.float32) if isinstance(t, np.ndarray) else t for t in random_lora(rng, n_in, n_out, r))
+    w, a, _, scale = random_lora(rng, n_in, n_out, r)
+    w, a = w.astype(np.float32), a.astype(np.float32)
     y, cache = lora_forward(x, w, a, np.zeros((n_out, r), np.float32), scale=scale)
     assert y.dtype == np.float32 and np.array_equal(y, linear_forward(x, w)[0])
     dx, da, db = lora_backward(np.ones_like(y), cache)
