@@ -34,9 +34,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
+
+from bench_train import best_time                # tools/ is the script's folder
 
 SHAPES = {
     "110m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, tie_embeddings=True),
@@ -64,15 +65,11 @@ def peak_rss_mb() -> float:
 
 
 def timed_steps(step, warmup, steps):
+    """(median seconds of a step, peak RSS in MB over the timed steps)."""
     for _ in range(warmup):
         step()
     release_and_reset_peak()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), peak_rss_mb()
+    return best_time(step, steps, warmup=0), peak_rss_mb()
 
 
 def batch(cfg, B, T):
