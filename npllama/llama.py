@@ -20,6 +20,8 @@ from . import engine, generate as generation
 from .checks import check_dtype, check_int
 from .config import LlamaConfig
 from .engine.lora import freeze_stacked, lora_blocks
+from .engine.passes import stacked_blocks
+from .engine.recompute import recomputed
 from .kvcache import KVCache
 from .lora import LoraSpec, adapter_shapes, check_adapters, init_adapters, merge
 from .model import TokenError, check_tokens, init_params, model_rope_tables
@@ -39,6 +41,12 @@ class Llama:
         self.params = params
         self.tokenizer = None   # set by npllama.load when the checkpoint carries one
         self.rope = model_rope_tables(config, dtype)   # (cos, sin), each (max_seq_len, Dh/2)
+        # True: keep only each block's input and recompute the block in backward (engine/recompute.py)
+        self.gradient_checkpointing = False
+
+    def _blocks(self):
+        """What the engine runs: its default blocks, or them with gradient checkpointing."""
+        return recomputed(stacked_blocks(self.params, self.config)) if self.gradient_checkpointing else None
 
     @classmethod
     def from_params(cls, config: LlamaConfig, params: dict, dtype=None) -> "Llama":
@@ -93,7 +101,7 @@ class Llama:
                 raise ValueError(f"start_pos={start_pos} skips positions: the kv_cache holds only "
                                  f"{kv_cache.length}")
         logits = engine.forward(self.params, self.config, self.rope, tokens, kv_cache=kv_cache,
-                                start_pos=start_pos, mask=mask, workers=workers)
+                                start_pos=start_pos, mask=mask, workers=workers, blocks=self._blocks())
         if kv_cache is not None:
             kv_cache.length = start_pos + tokens.shape[1]
         return logits[0] if one_dim else logits
@@ -110,7 +118,8 @@ class Llama:
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
             raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
-        return engine.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers)
+        return engine.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers,
+                                     blocks=self._blocks())
 
     def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
                  seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False):
@@ -164,13 +173,15 @@ class LoraLlama:
             adapters = {n: np.ascontiguousarray(adapters[n], dtype=base.dtype)
                         for n in adapter_shapes(base.config, spec)}
         self.params = adapters
+        self.gradient_checkpointing = False            # as Llama's
         # where the base came from, when it is a file: a LoRA checkpoint records both (io/lora.py)
         self.base_path: str | None = None
         self.base_sha256: str | None = None
         self._frozen = freeze_stacked(base.params, base.config)
 
     def _blocks(self):
-        return lora_blocks(self._frozen, self.params, self.config, self.spec)
+        blocks = lora_blocks(self._frozen, self.params, self.config, self.spec)
+        return recomputed(blocks) if self.gradient_checkpointing else blocks
 
     def forward(self, tokens, workers=None):
         """Logits (B, T, V) of the adapted model for tokens (B, T); a 1-D sequence gives (T, V)."""

@@ -25,6 +25,7 @@ from npllama import cli
 from npllama.io.metadata import LORA_KEY
 from npllama.io.safetensors import read_safetensors
 from npllama.llama import LoraLlama
+from npllama.engine.blas import blas_threads
 from npllama.io.lora import fingerprint
 from npllama.lora import LoraSpec, adapter_shapes
 from npllama.tokenizers import SentencePieceTokenizer
@@ -35,6 +36,15 @@ from npllama.train.finetune import init_model
 from .conftest import data_file
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+# One BLAS thread for this module's runs (and its subprocesses): the model is tiny, and on a busy
+# machine OpenBLAS's two threads turn each of its small GEMMs from microseconds into milliseconds.
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_blas_thread():
+    with blas_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +89,8 @@ def test_lora_fine_tuning_lowers_the_validation_loss(lora_run):
 def test_a_resumed_fine_tuning_run_equals_an_uninterrupted_one(stories, lora_run, tmp_path, lora_rank):
     a, b = tmp_path / "a", (lora_run[1] if lora_rank else tmp_path / "b")
     train(finetune_cfg(stories, a, max_steps=3, lora_rank=lora_rank), out=io.StringIO())
-    train(finetune_cfg(stories, a, resume=True, lora_rank=lora_rank), out=io.StringIO())
+    # resumed with gradient checkpointing: the same arithmetic, so still the same bits
+    train(finetune_cfg(stories, a, resume=True, lora_rank=lora_rank, gradient_checkpointing=True), out=io.StringIO())
     if not lora_rank:
         train(finetune_cfg(stories, b), out=io.StringIO())
     ca, cb = load_train_checkpoint(a / "ckpt.safetensors"), load_train_checkpoint(b / "ckpt.safetensors")
@@ -217,7 +228,7 @@ def test_the_readme_fine_tuning_example_runs_as_written(stories, tmp_path):
     assert len(commands) >= 4 and any(c.startswith("npllama train --init") for c in commands)
     for name in ("stories260K.bin", "tok512.model"):
         shutil.copy(stories / name, tmp_path / name)
-    env = {"NPLLAMA_DATA_DIR": str(Path(data_file("tinyshakespeare.txt")).parent)}
+    env = {"NPLLAMA_DATA_DIR": str(Path(data_file("tinyshakespeare.txt")).parent), **ONE_THREAD}
     for command in commands:
         argv = shlex.split(command.split("  #")[0])
         assert argv[0] == "npllama", command
@@ -231,6 +242,7 @@ def test_the_readme_fine_tuning_example_runs_as_written(stories, tmp_path):
     for block in python_blocks:
         if "transformers" in block and importlib.util.find_spec("transformers") is None:
             continue                     # the export check needs transformers; the rest runs regardless
-        run = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        run = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
+                             env={**os.environ, **ONE_THREAD}, timeout=300)
         assert run.returncode == 0, f"{block}\n{run.stderr}"
         assert "transformers" not in block or float(run.stdout.split()[-1]) < 1e-4, run.stdout

@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 import npllama
 from npllama import lora, model as reference
-from npllama.gradcheck import assert_grad_close, numerical_grad, rel_error
+from npllama.gradcheck import numerical_grad, rel_error
 
 from .test_model_grads import perturbed_model, tokens_and_targets
 
@@ -43,9 +43,16 @@ def test_every_adapter_entry_against_central_differences(cfg, rank, target_list,
     loss, grads = lora.loss_and_grads(params, adapters, cfg, spec, tokens, targets_)
     assert list(grads) == list(adapters)
     assert all(np.array_equal(params[n], before[n]) for n in params)     # the base is frozen
+    # An adapter whose gradient is tiny (5e-5: a key projection deep in a 4-wide model) meets the
+    # differences' own noise (1e-10); as in tests/test_model_grads.py, its error is relative to at
+    # least the RMS size of all the adapters' gradients, scaled to its own size.
+    total = np.sqrt(sum(np.sum(g * g) for g in grads.values()))
+    n_total = sum(g.size for g in grads.values())
     for name, a in adapters.items():
         numeric = numerical_grad(lambda: lora.loss_and_grads(params, adapters, cfg, spec, tokens, targets_)[0], a)
-        assert_grad_close(grads[name], numeric, tol=1e-6, name=name)
+        floor = total * np.sqrt(a.size / n_total)
+        err = np.linalg.norm(grads[name] - numeric) / max(np.linalg.norm(grads[name]), np.linalg.norm(numeric), floor)
+        assert err < 1e-6, f"{name}: relative error {err:.2e}; analytic {grads[name].ravel()[:4]}, numeric {numeric.ravel()[:4]}"
 
 
 @settings(max_examples=10)

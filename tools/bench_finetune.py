@@ -16,12 +16,17 @@ process's peak RSS (VmHWM) over the timed steps, after the model is built (init'
 handed back to the OS on both sides), against the base weights' bytes.
 
     python tools/bench_finetune.py                 # 110M shape, batch 4 x 128 tokens
-    python tools/bench_finetune.py --quick         # small shapes, under 30 s
+    python tools/bench_finetune.py --quick         # a small shape, all in one process, under 30 s
     python tools/bench_finetune.py --batch 1 --seq 256 --modes lora
+    python tools/bench_finetune.py --gradient-checkpointing    # both sides recompute blocks in backward
 
-Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU; see README "Fine-tuning" for figures):
+Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU, other jobs running; README "Fine-tuning"):
     shape 110m: dim 768, 12 layers, 12 heads, vocab 32000, tied (109.5M params, 418 MB float32); batch 4 x 128
-      lora  npllama ... tok/s  peak ... MB (... x weights) | torch ... tok/s (... threads)  peak ... MB | speed ratio ...
+    tokens; LoRA rank 8 on wq,wk,wv,wo,w1,w2,w3
+      lora | npllama 109 tok/s (2 threads), peak 1,042 MB = 2.49 x weights | torch 86 tok/s (1 thread),
+             peak 1,674 MB = 4.01 x weights | speed ratio npllama / torch 1.26
+      full | npllama 91 tok/s (2 threads), peak 3,819 MB = 9.14 x weights | torch 74 tok/s (1 thread),
+             peak 2,530 MB = 6.06 x weights | speed ratio npllama / torch 1.23
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import json
 import math
 import os
 import statistics
+from functools import partial
 import subprocess
 import sys
 
@@ -78,7 +84,7 @@ def batch(cfg, B, T):
     return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
 
 
-def run_npllama(cfg, mode, B, T, rank, warmup, steps, threads):
+def run_npllama(cfg, mode, B, T, rank, warmup, steps, threads, checkpointing):
     import npllama
     from npllama.engine.blas import set_blas_threads
     from npllama.llama import LoraLlama
@@ -88,6 +94,7 @@ def run_npllama(cfg, mode, B, T, rank, warmup, steps, threads):
     weight_bytes = sum(p.nbytes for p in model.params.values())
     if mode == "lora":
         model = LoraLlama(model, LoraSpec(rank=rank, alpha=2.0 * rank, targets=TARGETS), seed=0)
+    model.gradient_checkpointing = checkpointing
     opt = npllama.AdamW(model.params, lr=1e-4)
     x, y = batch(cfg, B, T)
 
@@ -100,7 +107,7 @@ def run_npllama(cfg, mode, B, T, rank, warmup, steps, threads):
     return dict(seconds=seconds, peak_mb=peak, weight_mb=weight_bytes / 2**20, threads=threads)
 
 
-def run_torch(cfg, mode, B, T, rank, warmup, steps, threads):
+def run_torch(cfg, mode, B, T, rank, warmup, steps, threads, checkpointing):
     import torch
     import torch.nn as nn
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -129,6 +136,10 @@ def run_torch(cfg, mode, B, T, rank, warmup, steps, threads):
             for parent, names in ((layer.attention, TARGETS[:4]), (layer.feed_forward, TARGETS[4:])):
                 for name in names:
                     setattr(parent, name, LoraLinear(getattr(parent, name), rank, 2.0 * rank))
+    if checkpointing:                   # torch.utils.checkpoint around every block, as HF's gradient_checkpointing
+        from torch.utils.checkpoint import checkpoint
+        for layer in model.layers:
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     x, y = (torch.from_numpy(a) for a in batch(cfg, B, T))
@@ -143,20 +154,23 @@ def run_torch(cfg, mode, B, T, rank, warmup, steps, threads):
     return dict(seconds=seconds, peak_mb=peak, weight_mb=weight_bytes / 2**20, threads=threads)
 
 
-def worker(args):
+def run_here(args, side, mode, threads):
+    """One (side, mode, threads) measurement in this process."""
     import npllama
     cfg = npllama.LlamaConfig(**SHAPES[args.shape], max_seq_len=args.seq)
-    if args.side == "npllama":
-        result = run_npllama(cfg, args.mode, args.batch, args.seq, args.rank, args.warmup, args.steps, args.threads)
-    else:
-        result = run_torch(cfg, args.mode, args.batch, args.seq, args.rank, args.warmup, args.steps, args.threads)
-    print(json.dumps(result))
+    run = run_npllama if side == "npllama" else run_torch
+    return run(cfg, mode, args.batch, args.seq, args.rank, args.warmup, args.steps, threads,
+               args.gradient_checkpointing)
 
 
-def spawn(args, side, mode, threads=None):
+def measure(args, side, mode, threads):
+    """One (side, mode, threads) measurement: in its own process, or in this one with --quick."""
+    if args.quick:              # small shapes: the memory figures mean little, the startup would dominate
+        return run_here(args, side, mode, threads)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--mode-one", mode, "--shape", args.shape,
            "--batch", str(args.batch), "--seq", str(args.seq), "--rank", str(args.rank), "--warmup",
-           str(args.warmup), "--steps", str(args.steps), "--threads", str(threads)]
+           str(args.warmup), "--steps", str(args.steps), "--threads", str(threads)] + \
+        (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr}")
@@ -166,7 +180,8 @@ def spawn(args, side, mode, threads=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small shape (dim 128, 4 layers), under 30 s")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small shape (dim 128, 4 layers), every run in this process: under 30 s")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="110m")
     parser.add_argument("--modes", default="lora,full", help="comma-separated: lora, full")
     parser.add_argument("--batch", type=int, default=4)
@@ -176,13 +191,16 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process (median)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every process, interleaved (medians)")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="both sides recompute each block in backward (npllama: model.gradient_checkpointing; "
+                             "torch: torch.utils.checkpoint around every block)")
     parser.add_argument("--worker", choices=["npllama", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--mode-one", dest="mode", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        args.side = args.worker
-        return worker(args)
+        print(json.dumps(run_here(args, args.worker, args.mode, args.threads)))
+        return 0
     if args.quick:
         args.shape, args.batch, args.seq, args.steps, args.repeats = "quick", 4, 64, 2, 1
     try:
@@ -198,14 +216,14 @@ def main(argv=None):
     print(f"shape {args.shape}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, vocab {cfg.vocab_size}, "
           f"{'tied' if cfg.tie_embeddings else 'untied'} ({cfg.n_params() / 1e6:.1f}M params, "
           f"{cfg.n_params() * 4 / 2**20:.0f} MB float32); batch {args.batch} x {args.seq} tokens; LoRA rank "
-          f"{args.rank} on {','.join(TARGETS)}")
+          f"{args.rank} on {','.join(TARGETS)}{'; gradient checkpointing' if args.gradient_checkpointing else ''}")
     tokens = args.batch * args.seq
     for mode in args.modes.split(","):
         sides = ["npllama"] + (["torch"] if use_torch else [])
         runs = {(side, threads): [] for side in sides for threads in (1, 2)}
         for _ in range(args.repeats):
             for side, threads in runs:
-                runs[side, threads].append(spawn(args, side, mode, threads))
+                runs[side, threads].append(measure(args, side, mode, threads))
 
         def best(side):
             """(seconds, peak MB, threads) of the side's faster thread count, medians over the repeats."""

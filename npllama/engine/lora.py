@@ -12,8 +12,7 @@ into one (k r, in) matrix:
                dx = dy W + g [A_1; ...; A_k]
                dA_j = g_j^T x  (one GEMM for all j),   dB_j = s dy_j^T xa_j
 
-with s folded into the small B_j once per step, so no pass over an (N, .) array only scales.
-
+with s folded into the small B_j once per step (no pass over an (N, .) array only scales it),
 and never dW = dy^T x, the GEMM that costs as much as the forward. The model-level chain rule
 is npllama.model.loss_and_grads with frozen=True (no gradient for the output layer, the norms
 or the embedding). Because the base never changes, its stacks are built once, and the params

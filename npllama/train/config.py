@@ -57,6 +57,9 @@ class TrainConfig:
     # optimisation
     batch_size: int = _f("B, windows per micro-batch", default=16)
     grad_accum: int = _f("micro-batches summed into one optimizer step (B*T*accum tokens per step)", default=1)
+    gradient_checkpointing: bool = _f("keep only each block's input and recompute the block in backward: a "
+                                      "fraction of the activation memory for one more forward per step "
+                                      "(the same arithmetic, the same results)", default=False)
     lr: float = _f("peak learning rate, reached after the warm-up", default=2e-3)
     min_lr: float = _f("learning rate at the end of the cosine decay", default=2e-4)
     warmup_steps: int = _f("linear warm-up steps", default=100)
@@ -129,7 +132,7 @@ class TrainConfig:
                              "or a folder without a suffix (Hugging Face)")
         if not isinstance(self.data, (str, type(None))):
             raise ValueError(f"--data={self.data!r} must be a path")
-        for name in ("tie_embeddings", "resume"):
+        for name in ("tie_embeddings", "resume", "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{flag(name)}={getattr(self, name)!r} must be True or False")
         for name in ("init", "init_tokenizer"):

@@ -292,7 +292,7 @@ def log_header(run: Run, preset_name: str | None, log) -> None:
     log(f"  optimizer  AdamW lr {cfg.lr:g} -> {cfg.min_lr:g} (warm-up {cfg.warmup_steps}, cosine to step "
         f"{cfg.decay_steps}), betas ({cfg.beta1}, {cfg.beta2}), weight decay {cfg.weight_decay}, clip {cfg.grad_clip}")
     log(f"  batch      {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum} accum = "
-        f"{tokens_per_step:,} tokens a step")
+        f"{tokens_per_step:,} tokens a step{', gradient checkpointing' if cfg.gradient_checkpointing else ''}")
     log(f"  run        steps {run.start_step} -> {cfg.max_steps}"
         f"{f', time budget {format_duration(cfg.time_budget)}' if cfg.time_budget else ''}, eval every "
         f"{cfg.eval_interval} ({cfg.eval_batches} batches), seed {cfg.seed}, out {cfg.out_dir}/")
@@ -464,6 +464,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
     cfg.validate()
     run_start = time.perf_counter()
     run = resume_run(cfg, console.log, explicit) if cfg.resume else new_run(cfg, console.log, explicit)
+    run.model.gradient_checkpointing = cfg.gradient_checkpointing
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     plan(run, run_start, console.log)
     log_header(run, preset_name, console.log)
