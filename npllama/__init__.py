@@ -4,7 +4,7 @@ The public surface (see CONTRACT.md): LlamaConfig, Llama, load, save, AdamW, cli
 
 Layers, each importing only from those before it (tests/test_layout.py checks it):
     checks, config, tokenizers      the blueprint and small shared pieces
-    ops, kvcache, model             the reference math: pure functions a reader reads
+    ops, kvcache, model, lora       the reference math: pure functions a reader reads
     optim, sampling, gradcheck      AdamW and clipping, choosing tokens, numerical gradients
     engine                          speed only, tested equal to the reference
     generate, llama                 decoding loops; the public Llama object

@@ -1,4 +1,5 @@
 """Llama: the public model object. Parameters in a flat dict keyed by Meta's names, and methods.
+LoraLlama: a frozen Llama with LoRA adapters, the object a LoRA fine-tuning run trains.
 
     model = Llama(config, seed=0, dtype=np.float32)
     logits = model.forward(tokens)                          # (B, T) ints -> (B, T, V)
@@ -18,7 +19,11 @@ import numpy as np
 from . import engine, generate as generation
 from .checks import check_dtype, check_int
 from .config import LlamaConfig
+from .engine.lora import freeze_stacked, lora_blocks
+from .engine.passes import stacked_blocks
+from .engine.recompute import recomputed
 from .kvcache import KVCache
+from .lora import LoraSpec, adapter_shapes, check_adapters, init_adapters, merge
 from .model import TokenError, check_tokens, init_params, model_rope_tables
 
 
@@ -36,6 +41,12 @@ class Llama:
         self.params = params
         self.tokenizer = None   # set by npllama.load when the checkpoint carries one
         self.rope = model_rope_tables(config, dtype)   # (cos, sin), each (max_seq_len, Dh/2)
+        # True: keep only each block's input and recompute the block in backward (engine/recompute.py)
+        self.gradient_checkpointing = False
+
+    def _blocks(self):
+        """What the engine runs: its default blocks, or them with gradient checkpointing."""
+        return recomputed(stacked_blocks(self.params, self.config)) if self.gradient_checkpointing else None
 
     @classmethod
     def from_params(cls, config: LlamaConfig, params: dict, dtype=None) -> "Llama":
@@ -90,7 +101,7 @@ class Llama:
                 raise ValueError(f"start_pos={start_pos} skips positions: the kv_cache holds only "
                                  f"{kv_cache.length}")
         logits = engine.forward(self.params, self.config, self.rope, tokens, kv_cache=kv_cache,
-                                start_pos=start_pos, mask=mask, workers=workers)
+                                start_pos=start_pos, mask=mask, workers=workers, blocks=self._blocks())
         if kv_cache is not None:
             kv_cache.length = start_pos + tokens.shape[1]
         return logits[0] if one_dim else logits
@@ -107,7 +118,8 @@ class Llama:
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
             raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
-        return engine.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers)
+        return engine.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers,
+                                     blocks=self._blocks())
 
     def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
                  seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False,
@@ -131,3 +143,81 @@ class Llama:
 
     def __repr__(self):
         return f"Llama({self.config}, dtype={self.dtype.name}, params={self.n_params():,})"
+
+
+class LoraLlama:
+    """A frozen Llama with LoRA adapters (npllama.lora): the adapters train, the base never changes.
+
+        lora = LoraLlama(npllama.load("stories260K.bin"), LoraSpec(rank=8, alpha=16), seed=0)
+        lora.params                                # the adapters only: AdamW(lora.params) trains them
+        loss, grads = lora.loss_and_grads(x, y)    # grads keyed like lora.params; none for the base
+        lora.forward(x)                            # (B, T, V), through W + s B A without forming it
+        lora.merged()                              # a Llama holding W + s B A: generate, save, export
+
+    The base's weights are stacked once for the engine and base.params is pointed at views of
+    the stacks (engine.lora.freeze_stacked: the same values, no second copy), so the base must
+    not be trained while it is adapted. Training and evaluation run npllama.engine.lora, tested
+    equal to the reference npllama.lora; generation runs the merged model.
+    """
+
+    def __init__(self, base: Llama, spec: LoraSpec, seed: int = 0, adapters: dict | None = None):
+        if not isinstance(base, Llama):
+            raise ValueError(f"base must be an npllama.Llama, got {type(base).__name__}")
+        if not isinstance(spec, LoraSpec):
+            raise ValueError(f"spec must be an npllama.lora.LoraSpec, got {type(spec).__name__}")
+        self.base, self.spec = base, spec
+        self.config, self.dtype, self.rope = base.config, base.dtype, base.rope
+        self.tokenizer = base.tokenizer
+        if adapters is None:
+            adapters = init_adapters(base.config, spec, seed, base.dtype)
+        else:
+            check_adapters(adapters, base.config, spec)
+            adapters = {n: np.ascontiguousarray(adapters[n], dtype=base.dtype)
+                        for n in adapter_shapes(base.config, spec)}
+        self.params = adapters
+        self.gradient_checkpointing = False            # as Llama's
+        # where the base came from, when it is a file: a LoRA checkpoint records both (io/lora.py)
+        self.base_path: str | None = None
+        self.base_sha256: str | None = None
+        self._frozen = freeze_stacked(base.params, base.config)
+
+    def _blocks(self):
+        blocks = lora_blocks(self._frozen, self.params, self.config, self.spec)
+        return recomputed(blocks) if self.gradient_checkpointing else blocks
+
+    def forward(self, tokens, workers=None):
+        """Logits (B, T, V) of the adapted model for tokens (B, T); a 1-D sequence gives (T, V)."""
+        one_dim = np.ndim(tokens) == 1
+        tokens = check_tokens(tokens, self.config)
+        logits = engine.forward(self.base.params, self.config, self.rope, tokens, workers=workers,
+                                blocks=self._blocks())
+        return logits[0] if one_dim else logits
+
+    def loss_and_grads(self, tokens, targets, workers=None):
+        """Mean cross-entropy (ignoring -100) and its gradient for every adapter: keyed and shaped like
+        self.params. The base gets none, and no weight-gradient GEMM of it is ever computed."""
+        tokens = check_tokens(tokens, self.config)
+        targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
+        if targets.shape != tokens.shape:
+            raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
+        loss, grads = engine.loss_and_grads(self.base.params, self.config, self.rope, tokens, targets,
+                                            workers=workers, blocks=self._blocks(), frozen=True)
+        return loss, {name: grads[name] for name in self.params}
+
+    def merged(self) -> Llama:
+        """An ordinary Llama whose adapted weights are W + s B A (the others shared with the base)."""
+        model = Llama.from_params(self.config, merge(self.base.params, self.params, self.spec), self.dtype)
+        model.tokenizer = self.tokenizer
+        return model
+
+    def generate(self, prompt_ids, max_new_tokens=32, **sampling):
+        """Llama.generate on the merged model."""
+        return self.merged().generate(prompt_ids, max_new_tokens=max_new_tokens, **sampling)
+
+    def n_params(self) -> int:
+        """The trainable numbers: the adapters' (the base has base.n_params())."""
+        return sum(p.size for p in self.params.values())
+
+    def __repr__(self):
+        return (f"LoraLlama(rank={self.spec.rank}, alpha={self.spec.alpha}, targets={','.join(self.spec.targets)}, "
+                f"adapters={self.n_params():,}, base={self.base!r})")

@@ -12,7 +12,8 @@ and the model is
     logits = output( rmsnorm( block_L( ... block_1( tok_embeddings[tokens] ) ... ) ) )
 
 block_backward is block_forward read bottom-up, one op per line, and loss_and_grads is
-forward followed by the chain rule from the loss back to every parameter.
+forward followed by the chain rule from the loss back to every parameter. (A projection whose
+weight is Adapted runs through the LoRA op instead of the plain linear one: npllama/lora.py.)
 
 Everything here is a pure function of (params, config, arrays): single-threaded, no state, no
 process-wide settings. npllama.Llama runs the same arithmetic through npllama.engine, which
@@ -34,7 +35,7 @@ from .ops import (
     attention_backward, attention_forward,
     cross_entropy_backward, cross_entropy_forward,
     embedding_backward, embedding_forward,
-    linear_backward, linear_forward,
+    LoraCache, linear_backward, linear_forward, lora_backward, lora_forward,
     rmsnorm_backward, rmsnorm_forward,
     rope_backward, rope_forward, rope_tables,
     swiglu_backward, swiglu_forward,
@@ -59,6 +60,29 @@ class LayerWeights(NamedTuple):
     w1: np.ndarray               # (F, D) gate
     w2: np.ndarray               # (D, F) down
     w3: np.ndarray               # (F, D) up
+
+
+class Adapted(NamedTuple):
+    """A frozen projection weight with a LoRA adapter (ops/lora.py): it acts as W + scale * B A.
+
+    A LayerWeights field holds one of these instead of the bare W when that projection is
+    adapted (npllama/lora.py builds them); block_forward then runs it through lora_forward.
+    """
+    weight: np.ndarray           # (out, in), frozen
+    a: np.ndarray                # (r, in)
+    b: np.ndarray                # (out, r)
+    scale: float                 # alpha / r
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """W's shape, so block_forward reads its sizes from a plain or an adapted weight alike."""
+        return self.weight.shape
+
+
+class LoraGrads(NamedTuple):
+    """The gradient of an Adapted projection: its adapter's, never the frozen weight's."""
+    a: np.ndarray                # (r, in)
+    b: np.ndarray                # (out, r)
 
 
 def layer_param_names(i: int) -> LayerWeights:
@@ -134,6 +158,21 @@ def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[st
 
 # ----------------------------------------------------------------------------- one block
 
+def projection_forward(x, w):
+    """x W^T (ops/linear.py), or x W^T + s (x A^T) B^T when w is Adapted (ops/lora.py)."""
+    if isinstance(w, Adapted):
+        return lora_forward(x, w.weight, w.a, w.b, scale=w.scale)
+    return linear_forward(x, w)
+
+
+def projection_backward(dy, cache):
+    """(dx, dW) of a plain projection; (dx, LoraGrads(dA, dB)) of an Adapted one."""
+    if isinstance(cache, LoraCache):
+        dx, da, db = lora_backward(dy, cache)
+        return dx, LoraGrads(da, db)
+    return linear_backward(dy, cache)
+
+
 class BlockCache(NamedTuple):
     """What block_backward needs: each op's cache, in the order block_forward made them."""
     attention_norm: tuple
@@ -166,9 +205,9 @@ def block_forward(x, w: LayerWeights, cos, sin, *, eps, kv=None, start_pos=0, ma
     H, KVH = w.wq.shape[0] // Dh, w.wk.shape[0] // Dh
     # attention sub-block: h = x + wo(attention(rope(q), rope(k), v))
     xn, c_attention_norm = rmsnorm_forward(x, w.attention_norm, eps)
-    q, c_wq = linear_forward(xn, w.wq)                                   # (B, T, D) -> (B, T, H*Dh)
-    k, c_wk = linear_forward(xn, w.wk)                                   # (B, T, D) -> (B, T, KVH*Dh)
-    v, c_wv = linear_forward(xn, w.wv)
+    q, c_wq = projection_forward(xn, w.wq)                               # (B, T, D) -> (B, T, H*Dh)
+    k, c_wk = projection_forward(xn, w.wk)                               # (B, T, D) -> (B, T, KVH*Dh)
+    v, c_wv = projection_forward(xn, w.wv)
     q = q.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)                     # -> (B, H, T, Dh)
     k = k.reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)                   # -> (B, KVH, T, Dh)
     v = v.reshape(B, T, KVH, Dh).transpose(0, 2, 1, 3)
@@ -180,14 +219,14 @@ def block_forward(x, w: LayerWeights, cos, sin, *, eps, kv=None, start_pos=0, ma
         k, v = kv_cache.append(layer, k, v, start_pos)                   # (B, KVH, S, Dh), S = start_pos + T
     att, c_attention = attention_forward(q, k, v, mask)
     att = att.transpose(0, 2, 1, 3).reshape(B, T, H * Dh)                # (B, H, T, Dh) -> (B, T, H*Dh)
-    o, c_wo = linear_forward(att, w.wo)
+    o, c_wo = projection_forward(att, w.wo)
     h = x + o
     # feed-forward sub-block: out = h + w2(silu(w1(hn)) * w3(hn))
     hn, c_ffn_norm = rmsnorm_forward(h, w.ffn_norm, eps)
-    a, c_w1 = linear_forward(hn, w.w1)                                   # (B, T, D) -> (B, T, F) gate
-    b, c_w3 = linear_forward(hn, w.w3)                                   # (B, T, D) -> (B, T, F) up
+    a, c_w1 = projection_forward(hn, w.w1)                               # (B, T, D) -> (B, T, F) gate
+    b, c_w3 = projection_forward(hn, w.w3)                               # (B, T, D) -> (B, T, F) up
     g, c_swiglu = swiglu_forward(a, b)
-    f, c_w2 = linear_forward(g, w.w2)                                    # (B, T, F) -> (B, T, D)
+    f, c_w2 = projection_forward(g, w.w2)                                # (B, T, F) -> (B, T, D)
     out = h + f
     cache = BlockCache(c_attention_norm, c_wq, c_wk, c_wv, c_rope_q, c_rope_k, c_attention, c_wo,
                        c_ffn_norm, c_w1, c_w3, c_swiglu, c_w2)
@@ -195,18 +234,19 @@ def block_forward(x, w: LayerWeights, cos, sin, *, eps, kv=None, start_pos=0, ma
 
 
 def block_backward(dout, cache: BlockCache):
-    """block_forward read bottom-up. Returns dx (B, T, D) and the weights' gradients (LayerWeights)."""
+    """block_forward read bottom-up. Returns dx (B, T, D) and the weights' gradients (LayerWeights;
+    an Adapted projection's entry is its adapter's LoraGrads)."""
     B, T, D = dout.shape
     # undo out = h + f: the residual passes dout to h unchanged, and to the branch
-    dg, dw2 = linear_backward(dout, cache.w2)
+    dg, dw2 = projection_backward(dout, cache.w2)
     da, db = swiglu_backward(dg, cache.swiglu)
-    dhn_up, dw3 = linear_backward(db, cache.w3)
-    dhn_gate, dw1 = linear_backward(da, cache.w1)
+    dhn_up, dw3 = projection_backward(db, cache.w3)
+    dhn_gate, dw1 = projection_backward(da, cache.w1)
     dhn = dhn_gate + dhn_up                                              # hn fed two projections: sum both
     dh_branch, dffn_norm = rmsnorm_backward(dhn, cache.ffn_norm)
     dh = dout + dh_branch                                                # residual: skip + branch
     # undo h = x + o
-    datt, dwo = linear_backward(dh, cache.wo)
+    datt, dwo = projection_backward(dh, cache.wo)
     H, Dh = cache.attention.n_rep * cache.attention.k.shape[1], cache.attention.k.shape[-1]
     datt = datt.reshape(B, T, H, Dh).transpose(0, 2, 1, 3)              # (B, T, H*Dh) -> (B, H, T, Dh)
     dq, dk, dv = attention_backward(datt, cache.attention)
@@ -215,9 +255,9 @@ def block_backward(dout, cache: BlockCache):
     dq = dq.transpose(0, 2, 1, 3).reshape(B, T, -1)                      # (B, H, T, Dh) -> (B, T, H*Dh)
     dk = dk.transpose(0, 2, 1, 3).reshape(B, T, -1)                      # (B, KVH, T, Dh) -> (B, T, KVH*Dh)
     dv = dv.transpose(0, 2, 1, 3).reshape(B, T, -1)
-    dxn_v, dwv = linear_backward(dv, cache.wv)
-    dxn_k, dwk = linear_backward(dk, cache.wk)
-    dxn_q, dwq = linear_backward(dq, cache.wq)
+    dxn_v, dwv = projection_backward(dv, cache.wv)
+    dxn_k, dwk = projection_backward(dk, cache.wk)
+    dxn_q, dwq = projection_backward(dq, cache.wq)
     dxn = dxn_q + dxn_k + dxn_v                                          # xn fed three projections: sum all
     dx_branch, dattention_norm = rmsnorm_backward(dxn, cache.attention_norm)
     dx = dh + dx_branch                                                  # residual: skip + branch
@@ -230,12 +270,14 @@ class Blocks(NamedTuple):
     """The blocks as forward and loss_and_grads run them: each block's weights, and the pass.
 
     The reference runs block_forward / block_backward on each block's LayerWeights; the engine
-    passes its own, faster pair on stacked weights (npllama.engine), so that the model-level
-    composition and chain rule below are written once.
+    passes its own, faster pair on stacked weights (npllama.engine), and LoRA its adapted
+    blocks (npllama/lora.py), so that the model-level composition and chain rule below are
+    written once.
     """
     weights: list                # per block: what `forward` takes as w
     forward: Callable            # (x, w, cos, sin, *, eps, kv, start_pos, mask) -> (x, cache)
-    backward: Callable           # (dx, cache) -> (dx, LayerWeights of gradients)
+    backward: Callable           # (dx, cache) -> (dx, block i's gradients, in the order of names(i))
+    names: Callable = layer_param_names   # i -> the names of block i's gradients
 
 
 def reference_blocks(params: dict, config: LlamaConfig) -> Blocks:
@@ -283,13 +325,16 @@ def forward(params: dict, config: LlamaConfig, tokens, *, rope=None, kv_cache: K
 
 
 def loss_and_grads(params: dict, config: LlamaConfig, tokens, targets, *, rope=None, normalizer=None,
-                   blocks: Blocks | None = None):
+                   blocks: Blocks | None = None, frozen: bool = False):
     """Mean cross-entropy of the targets that are not -100, and its gradient for every parameter.
 
     Inputs:  tokens, targets (B, T) ints, already checked; normalizer: the count the summed loss
              is divided by (default: the valid targets here; a shard of a batch passes the batch's);
-             rope, blocks: as in forward.
-    Returns: loss (python float), grads (dict with exactly the keys and shapes of params).
+             rope, blocks: as in forward;
+             frozen: True when params do not train (LoRA, npllama/lora.py): dx alone flows back
+             through the output layer, and only the blocks' own gradients (their adapters') are kept.
+    Returns: loss (python float), grads (dict with exactly the keys and shapes of params; frozen:
+             keyed by blocks.names).
     """
     blocks = reference_blocks(params, config) if blocks is None else blocks
     logits, cache = forward(params, config, tokens, rope=rope, blocks=blocks)
@@ -297,12 +342,14 @@ def loss_and_grads(params: dict, config: LlamaConfig, tokens, targets, *, rope=N
     # The chain rule starts here: dloss = 1.0, and cross-entropy divides by the number of
     # targets that are not -100.
     dlogits = cross_entropy_backward(1.0, c_loss)
-    dxn, doutput = linear_backward(dlogits, cache.output)
+    dxn, doutput = linear_backward(dlogits, cache.output, weight_grad=not frozen)
     dx, dnorm = rmsnorm_backward(dxn, cache.norm)
     grads = {"norm.weight": dnorm}
     for i in reversed(range(config.n_layers)):
         dx, dlayer = blocks.backward(dx, cache.blocks[i])
-        grads.update(zip(layer_param_names(i), dlayer))
+        grads.update(zip(blocks.names(i), dlayer))
+    if frozen:                                               # the embedding is frozen too: stop here
+        return loss, {name: g for name, g in grads.items() if name not in params}
     dembedding = embedding_backward(dx, cache.embedding)
     if config.tie_embeddings:
         dembedding += doutput                                # one matrix, read twice: sum both uses

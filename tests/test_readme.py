@@ -11,6 +11,8 @@ starts with `npllama `, `python ` or `pip `. Each one must have an entry in COVE
                 written.
     CI          a line of .ci/run starts with the command (installs, the test command itself,
                 benchmarks with torch, which append a short budget there).
+    FINETUNE    a command of the "Fine-tuning" section's bash blocks, which
+                tests/test_finetune.py::test_the_readme_fine_tuning_example_runs_as_written runs.
 
 A README command with no entry, or an entry the README no longer has, fails
 test_every_readme_command_is_covered; a Run that exits non-zero or prints the wrong thing fails
@@ -52,6 +54,7 @@ class Run:
 
 
 CI = "ci"
+FINETUNE = "finetune"
 SHORT = ("--max-steps", "10", "--eval-interval", "5", "--eval-batches", "4")
 
 COVERAGE = {
@@ -89,6 +92,13 @@ COVERAGE = {
     "npllama generate -m stories260K.bin --prompt-ids 1,403,407 -n 50 --temp 0":
         Run(needs=STORIES, stdout="1 403 407 261 378"),
     "npllama generate --help": Run(stdout="--max-new-tokens"),
+    # Fine-tuning
+    "npllama generate -m stories260K.bin --tokenizer tok512.model -p \"ROMEO:\" -n 60 -s 1": FINETUNE,
+    "npllama train --init stories260K.bin --init-tokenizer tok512.model --lora-rank 8 --lr 1e-2 "
+    "--warmup-steps 30 --max-steps 600 --eval-interval 200 --out-dir runs/stories-lora": FINETUNE,
+    "npllama generate -m runs/stories-lora/ckpt.safetensors -p \"ROMEO:\" -n 60 -s 1": FINETUNE,
+    "npllama export -m runs/stories-lora/ckpt.safetensors -o runs/stories-lora/hf": FINETUNE,
+    "python tools/bench_finetune.py": CI,
 }
 
 
@@ -97,7 +107,7 @@ def readme_commands() -> list[str]:
     text = README.read_text(encoding="utf-8")
     found = []
     for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S):
-        for line in body.splitlines():
+        for line in re.sub(r"\s*\\\n\s*", " ", body).splitlines():     # a continued line is one command
             if lang == "bash":
                 found.append(line)
             elif line.startswith("$ "):
@@ -113,7 +123,12 @@ def readme_commands() -> list[str]:
 
 
 def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+    """The ```python blocks, except the Fine-tuning section's: they read what its commands make, and
+    tests/test_finetune.py runs them after those commands."""
+    text = README.read_text(encoding="utf-8")
+    head, rest = text.split("\n## Fine-tuning\n")
+    outside = head + rest[rest.index("\n## "):]
+    return re.findall(r"```python\n(.*?)```", outside, re.S)
 
 
 def test_every_readme_command_is_covered():
@@ -122,6 +137,10 @@ def test_every_readme_command_is_covered():
     assert not missing, f"README commands with no test or .ci/run step (add them to COVERAGE): {missing}"
     stale = [c for c in COVERAGE if c not in commands]
     assert not stale, f"COVERAGE entries the README no longer has: {stale}"
+    finetune = README.read_text(encoding="utf-8").split("\n## Fine-tuning\n")[1].split("\n## ")[0]
+    finetune = re.sub(r"\s*\\\n\s*", " ", finetune)
+    not_there = [c for c, how in COVERAGE.items() if how == FINETUNE and c not in finetune]
+    assert not not_there, f"marked FINETUNE but not in the Fine-tuning section: {not_there}"
     # a line of .ci/run that starts with the command (or runs it through its `bench` helper)
     ci_lines = [line.strip().removeprefix("bench ") for line in CI_SCRIPT.read_text().splitlines()]
     not_in_ci = [c for c, how in COVERAGE.items() if how == CI and not any(line.startswith(c) for line in ci_lines)]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import generate, gradcheck, plot, train
+from . import export, generate, gradcheck, plot, train
 
-SUBCOMMANDS = [gradcheck, train, generate, plot]
+SUBCOMMANDS = [gradcheck, train, generate, plot, export]
 
 
 def build_parser() -> argparse.ArgumentParser:

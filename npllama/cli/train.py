@@ -4,6 +4,7 @@
     npllama train --time-budget 5m --out-dir runs/five-minutes
     npllama train --resume --out-dir runs/five-minutes --max-steps 3000
     npllama train --preset shakespeare-bpe --vocab-size 1024
+    npllama train --init stories260K.bin --init-tokenizer tok512.model --lora-rank 8   # fine-tune (LoRA)
 
 A flag given on the command line overrides the preset. With --resume every setting comes
 from the checkpoint in --out-dir, and only the flags given now override it (those that
@@ -53,7 +54,7 @@ def _range(f: dataclasses.Field) -> str:
         return "float in [0, 1)"
     if f.name == "train_fraction":
         return "float in (0, 1)"
-    if f.name == "lr":
+    if f.name in ("lr", "lora_alpha"):
         return "float > 0"
     if f.name in NON_NEGATIVE_FLOATS:
         return "float >= 0"
@@ -63,10 +64,12 @@ def _range(f: dataclasses.Field) -> str:
 def _metavar(f: dataclasses.Field) -> str | None:
     if f.metadata.get("choices"):
         return None
-    if f.name in ("data", "out_dir", "export"):
+    if f.name in ("data", "out_dir", "export", "init", "init_tokenizer"):
         return "PATH"
     if f.name == "time_budget":
         return "TIME"
+    if f.name == "lora_targets":
+        return "NAMES"
     return "N" if f.name in POSITIVE_INTS + NON_NEGATIVE_INTS else "X"
 
 
@@ -112,5 +115,6 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
-    result = train(cfg, preset_name=None if cfg.resume else args.preset)
+    explicit = {f.name for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    result = train(cfg, preset_name=None if cfg.resume else args.preset, explicit=explicit)
     return 130 if result.stopped == "interrupted" else 0

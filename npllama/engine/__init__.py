@@ -8,6 +8,8 @@ float64, 1e-10 relative, on hypothesis-drawn configs):
                                               (shards.py), blocks on stacked weights (block.py,
                                               stacked.py)
     decode.DecodeStep, DecodeCache            one token per row through the KV cache, fused
+    lora.lora_blocks                          LoRA: the block on frozen stacks plus adapters, no
+                                              weight gradients (npllama.LoraLlama runs it)
     blas.blas_threads                         OpenBLAS's thread count, set for a block and restored
 
 It is built from the reference's own tables (parameter names and layer order from

@@ -29,13 +29,14 @@ def stacked_blocks(params: dict, config: LlamaConfig) -> model.Blocks:
 
 
 def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache: KVCache | None = None,
-            start_pos: int = 0, mask=None, workers=None) -> np.ndarray:
+            start_pos: int = 0, mask=None, workers=None, blocks: model.Blocks | None = None) -> np.ndarray:
     """Logits (B, T, V) of checked tokens (B, T); arguments as npllama.model.forward.
 
     workers: threads sharing the batch rows (engine.shards.resolve_workers); used without a
     cache or mask only, since a KV cache is written by position for the whole batch.
+    blocks: the blocks to run, by default stacked_blocks(params, config) (LoRA: engine/lora.py).
     """
-    blocks = stacked_blocks(params, config)
+    blocks = stacked_blocks(params, config) if blocks is None else blocks
     if kv_cache is not None or mask is not None:
         return model.forward(params, config, tokens, rope=rope, kv_cache=kv_cache, start_pos=start_pos,
                              mask=mask, blocks=blocks)[0]
@@ -45,20 +46,24 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache: KVCach
     return np.concatenate(shards)
 
 
-def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, workers=None):
+def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, workers=None,
+                   blocks: model.Blocks | None = None, frozen: bool = False):
     """Mean cross-entropy of checked tokens and targets (B, T) and every parameter's gradient.
 
     workers: threads sharing contiguous shards of the batch rows (default: one per core, at
     most B; one for small steps). The result depends on `workers` only through rounding; pass
     workers=1 for sums in one order on every machine.
+    blocks, frozen: as in npllama.model.loss_and_grads (LoRA: engine/lora.py passes its adapted
+    blocks and frozen=True, and gets the adapters' gradients).
     """
     n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
     if n_valid == 0:
         raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
     workers = resolve_workers(workers, *tokens.shape, config.dim)
-    blocks = stacked_blocks(params, config)
+    blocks = stacked_blocks(params, config) if blocks is None else blocks
     results = run_sharded(
-        lambda x, y: model.loss_and_grads(params, config, x, y, rope=rope, normalizer=n_valid, blocks=blocks),
+        lambda x, y: model.loss_and_grads(params, config, x, y, rope=rope, normalizer=n_valid, blocks=blocks,
+                                          frozen=frozen),
         workers, config.dim, tokens, targets)
     loss, grads = results[0]
     for shard_loss, shard_grads in results[1:]:         # the batch's gradient is the shards' sum

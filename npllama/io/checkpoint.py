@@ -11,7 +11,8 @@ What `load` accepts (the first match wins):
                        (a tokenizer.json npllama cannot run is a warning, not an error)
     *.safetensors      Meta or HF names; the config comes from the metadata key "npllama_config"
                        (save(format="meta") and training checkpoints write it) or from a
-                       config.json beside the file (HF keys, or LlamaConfig.to_json keys)
+                       config.json beside the file (HF keys, or LlamaConfig.to_json keys);
+                       a LoRA training checkpoint gives its base with the adapters merged (io/lora.py)
     *.bin              llama2.c: legacy v0 (7 int32 header) or v1 ("ak42" magic, 256-byte header),
                        float32 little-endian; layouts in io/llama2c.py
     pickle files       (.pt, .pth, .ckpt, .pkl, pytorch_model*.bin, or any file starting with a
@@ -39,7 +40,7 @@ import numpy as np
 
 from ..checks import check_dtype
 from ..config import LlamaConfig
-from ..llama import Llama
+from ..llama import Llama, LoraLlama
 from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer, tokenizer_from_folder
 from .atomic import write_bytes_atomic
@@ -47,8 +48,9 @@ from .errors import CheckpointError, ConfigMismatchError, PickleRefusedError, Te
 from .hf import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_meta_name, is_hf_name, llama_to_hf_config,
                  meta_to_hf, meta_to_hf_name, permute_hf_to_meta)
 from .llama2c import read_llama2c
-from .metadata import (CONFIG_KEY, OPTIMIZER_PREFIX, TOKENIZER_KEY, config_from_metadata, is_training_checkpoint,
-                       model_metadata, tokenizer_from_metadata)
+from .lora import read_adapted
+from .metadata import (CONFIG_KEY, LORA_KEY, OPTIMIZER_PREFIX, TOKENIZER_KEY, config_from_metadata,
+                       is_training_checkpoint, model_metadata, tokenizer_from_metadata)
 from .pickles import looks_pickled_name, refuse_pickle_magic, refuse_pickle_name
 from .safetensors import f32_to_bf16, read_safetensors, write_safetensors_atomic
 
@@ -282,6 +284,10 @@ def _read(path: Path, dtype: np.dtype, strict: bool) -> Loaded:
                                   "Hugging Face folders and llama2.c .bin files")
         tensors, metadata = read_safetensors(path)
         source = str(path)
+        if LORA_KEY in metadata:    # LoRA adapters: the base they name, with them merged in (io/lora.py)
+            adapted = read_adapted(path, tensors, metadata, lambda base, _: load(base, dtype, strict=strict))
+            return Loaded(adapted.config, adapted.merged().params, adapted.tokenizer,
+                          [f"LoRA adapters of {path} (rank {adapted.spec.rank}) merged into {adapted.base_path}"])
         beside = path.parent / "config.json"
         if CONFIG_KEY in metadata:
             cfg, hf = config_from_metadata(metadata, source), False
@@ -351,8 +357,11 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
                    {"format": "pt", "npllama_config": config JSON, "npllama_tokenizer": tokenizer
                    JSON when model.tokenizer is set}.
     dtype: "float32" (default, whatever the model's dtype), "float64", "float16" or "bfloat16".
+    A LoraLlama is saved merged: each adapted weight as W + s B A.
     Every file is written atomically: an existing file is replaced whole or left untouched.
     """
+    if isinstance(model, LoraLlama):
+        model = model.merged()
     path = Path(path)
     dname = _save_dtype_name(dtype)
     cfg, params = model.config, model.params

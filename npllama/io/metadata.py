@@ -8,11 +8,18 @@ A safetensors header carries a str -> str map beside the tensors. npllama's file
     "npllama_train_state"  present only in training checkpoints (npllama.train.checkpoint): the
                            JSON of the run's state; their optimizer moments are the tensors
                            named OPTIMIZER_PREFIX + ..., which loading the model skips
+    "npllama_lora"         present only in LoRA training checkpoints, whose tensors are the
+                           adapters (npllama.lora's names): JSON {"spec": the LoraSpec,
+                           "base": the path of the frozen base checkpoint, "base_sha256": its
+                           fingerprint (io/lora.py)}; loading merges the adapters into that base
 """
 
 from __future__ import annotations
 
+import json
+
 from ..config import LlamaConfig
+from ..lora import LoraSpec
 from ..tokenizers import tokenizer_from_json
 from .errors import ConfigMismatchError, CheckpointError
 
@@ -21,6 +28,7 @@ CONFIG_KEY = "npllama_config"
 TOKENIZER_KEY = "npllama_tokenizer"
 TRAIN_STATE_KEY = "npllama_train_state"
 OPTIMIZER_PREFIX = "optimizer."
+LORA_KEY = "npllama_lora"
 
 
 def model_metadata(config: LlamaConfig, tokenizer=None) -> dict[str, str]:
@@ -52,3 +60,18 @@ def tokenizer_from_metadata(metadata: dict, source: str):
 
 def is_training_checkpoint(metadata: dict) -> bool:
     return TRAIN_STATE_KEY in metadata
+
+
+def lora_metadata(spec: LoraSpec, base_path: str, base_sha256: str) -> dict[str, str]:
+    """The metadata that makes a file of adapters a LoRA checkpoint: the spec and the base it adapts."""
+    return {LORA_KEY: json.dumps({"spec": json.loads(spec.to_json()), "base": base_path, "base_sha256": base_sha256},
+                                 sort_keys=True)}
+
+
+def lora_from_metadata(metadata: dict, source: str) -> tuple[LoraSpec, str, str]:
+    """(spec, base path, base fingerprint) under LORA_KEY; CheckpointError naming the problem if unusable."""
+    try:
+        d = json.loads(metadata[LORA_KEY])
+        return LoraSpec.from_json(json.dumps(d["spec"])), str(d["base"]), str(d["base_sha256"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: metadata {LORA_KEY} is missing or unusable: {e}") from None

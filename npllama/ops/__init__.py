@@ -23,6 +23,7 @@ from .attention import attention_backward, attention_forward, causal_mask
 from .cross_entropy import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
 from .embedding import embedding_backward, embedding_forward
 from .linear import linear_backward, linear_forward
+from .lora import LoraCache, lora_backward, lora_forward
 from .rmsnorm import rmsnorm_backward, rmsnorm_forward
 from .rope import rope_backward, rope_forward, rope_frequencies, rope_tables
 from .swiglu import swiglu_backward, swiglu_forward
@@ -32,6 +33,7 @@ __all__ = [
     "cross_entropy_forward", "cross_entropy_backward", "IGNORE_INDEX",
     "embedding_forward", "embedding_backward",
     "linear_forward", "linear_backward",
+    "lora_forward", "lora_backward", "LoraCache",
     "rmsnorm_forward", "rmsnorm_backward",
     "rope_frequencies", "rope_tables", "rope_forward", "rope_backward",
     "swiglu_forward", "swiglu_backward",

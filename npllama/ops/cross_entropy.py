@@ -45,7 +45,9 @@ def cross_entropy_forward(logits, targets, normalizer=None):
     safe_targets = np.where(valid, targets, 0)
     zc = z.astype(np.result_type(z.dtype, np.float32), copy=False)
     row_max = zc.max(axis=-1, keepdims=True)
-    lse = row_max + np.log(np.exp(zc - row_max).sum(axis=-1, keepdims=True))
+    shifted = zc - row_max
+    np.exp(shifted, out=shifted)                                 # in place: one (N, V) temporary, not two
+    lse = row_max + np.log(shifted.sum(axis=-1, keepdims=True))
     picked = zc[np.arange(len(zc)), safe_targets]
     losses = (lse[:, 0] - picked)[valid]
     loss = float(losses.sum(dtype=np.float64) / normalizer)
@@ -59,7 +61,8 @@ def cross_entropy_backward(dloss, cache):
     Returns: dlogits with the logits' shape, (B, T, V) or (N, V)
     """
     z, lse, targets, valid, normalizer, shape = cache
-    dz = np.exp(z - lse.astype(z.dtype, copy=False))             # softmax, (N, V)
+    dz = z - lse.astype(z.dtype, copy=False)
+    np.exp(dz, out=dz)                                           # softmax, (N, V), computed in place
     dz[np.arange(len(dz)), targets] -= 1.0
     dz *= (valid * (dloss / normalizer)).astype(dz.dtype)[:, None]   # ignored rows -> 0
     return dz.reshape(shape)

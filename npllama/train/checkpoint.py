@@ -21,6 +21,10 @@ metadata keys are io.metadata's):
 Because the model part is a plain "meta" checkpoint, `npllama.load(path)` and
 `npllama generate --model path` read it directly (they skip the optimizer.* tensors only
 because "npllama_train_state" is present).
+
+A LoRA run (a LoraLlama) writes its adapters in place of the parameters, their moments, and
+metadata "npllama_lora" naming the frozen base file and its fingerprint (io/lora.py); loading
+reads that base again and refuses it if it changed.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..io.metadata import (OPTIMIZER_PREFIX, TRAIN_STATE_KEY, config_from_metadata, model_metadata,
-                           tokenizer_from_metadata)
+from ..io import load
+from ..io.lora import read_adapted
+from ..io.metadata import (LORA_KEY, OPTIMIZER_PREFIX, TRAIN_STATE_KEY, config_from_metadata, lora_metadata,
+                           model_metadata, tokenizer_from_metadata)
 from ..io.safetensors import read_safetensors, read_safetensors_header, write_safetensors_atomic
-from ..llama import Llama
+from ..llama import Llama, LoraLlama
 from ..optim import AdamW
 
 CHECKPOINT_NAME = "ckpt.safetensors"
@@ -70,6 +76,10 @@ def save_train_checkpoint(path, model: Llama, tokenizer, optimizer: AdamW, state
             tensors[f"{OPTIMIZER_PREFIX}{kind}.{name}"] = sd[f"{kind}.{name}"]
     full_state = {"version": FORMAT_VERSION, **state, "optimizer": {k: sd[k] for k in _HYPERS}}
     metadata = {**model_metadata(model.config, tokenizer), TRAIN_STATE_KEY: json.dumps(full_state, sort_keys=True)}
+    if isinstance(model, LoraLlama):      # adapters only: name the base they adapt
+        if model.base_path is None:
+            raise ValueError("a LoRA checkpoint must name its base file; set model.base_path and model.base_sha256")
+        metadata.update(lora_metadata(model.spec, model.base_path, model.base_sha256))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors_atomic(path, tensors, metadata)
     return path
@@ -117,8 +127,11 @@ def load_train_checkpoint(path) -> TrainCheckpoint:
     state = _parse_state(path, metadata)
     config = config_from_metadata(metadata, str(path))
     tokenizer = tokenizer_from_metadata(metadata, str(path))
-    params = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
-    model = Llama.from_params(config, params)      # checks names and shapes, keeps the dtype
+    if LORA_KEY in metadata:                       # the base it names, checked, with these adapters
+        model = read_adapted(path, tensors, metadata, lambda base, dtype: load(base, dtype))
+    else:
+        params = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
+        model = Llama.from_params(config, params)  # checks names and shapes, keeps the dtype
     model.tokenizer = tokenizer
     optimizer_state = dict(state["optimizer"])
     for kind in _MOMENTS:

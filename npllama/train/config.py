@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from ..checks import check_int, check_real, dataclass_from_dict, is_real
 from ..config import LlamaConfig
+from ..lora import LoraSpec
 
 def _f(help_text: str, **kw):
     return field(metadata={"help": help_text, **kw.pop("meta", {})}, **kw)
@@ -41,9 +43,23 @@ class TrainConfig:
     max_seq_len: int = _f("longest sequence the saved model accepts (generation); 0: same as --seq-len",
                           default=0)
     dtype: str = _f("parameter dtype", default="float32", meta={"choices": ("float32", "float64")})
+    # fine-tuning: start from trained weights (train/finetune.py)
+    init: str | None = _f("start from this checkpoint instead of random weights: anything npllama.load reads "
+                          "(HF folder, .safetensors, llama2.c .bin, a training checkpoint); the model and its "
+                          "tokenizer come from it, so leave out the model flags", default=None)
+    init_tokenizer: str | None = _f("sentencepiece .model for an --init checkpoint that carries no tokenizer "
+                                    "(a llama2.c .bin: stories260K.bin pairs with tok512.model)", default=None)
+    lora_rank: int = _f("0: fine-tune every weight of --init; R > 0: freeze them and train rank-R LoRA "
+                        "adapters, W + (alpha / R) B A (checkpoints then hold the adapters only)", default=0)
+    lora_alpha: float = _f("LoRA scale: the adapters' output is multiplied by alpha / rank", default=16.0)
+    lora_targets: str = _f("the projections that get LoRA adapters, comma-separated from wq,wk,wv,wo,w1,w2,w3",
+                           default="wq,wk,wv,wo,w1,w2,w3")
     # optimisation
     batch_size: int = _f("B, windows per micro-batch", default=16)
     grad_accum: int = _f("micro-batches summed into one optimizer step (B*T*accum tokens per step)", default=1)
+    gradient_checkpointing: bool = _f("keep only each block's input and recompute the block in backward: a "
+                                      "fraction of the activation memory for one more forward per step "
+                                      "(the same arithmetic, the same results)", default=False)
     lr: float = _f("peak learning rate, reached after the warm-up", default=2e-3)
     min_lr: float = _f("learning rate at the end of the cosine decay", default=2e-4)
     warmup_steps: int = _f("linear warm-up steps", default=100)
@@ -66,8 +82,9 @@ class TrainConfig:
     log_interval: int = _f("progress line every N steps when output is not a terminal "
                            "(a terminal gets a live line every step)", default=10)
     out_dir: str = _f("folder for ckpt.safetensors, metrics.jsonl and loss.png", default="runs/shakespeare-char")
-    export: str | None = _f("also write the final model alone (no optimizer state: a few MB) to this "
-                            ".safetensors file, with its config and tokenizer", default=None)
+    export: str | None = _f("also write the final model alone (no optimizer state; LoRA adapters merged in) "
+                            "to this .safetensors file (Meta names, config and tokenizer inside), or to this "
+                            "folder in Hugging Face's layout (a path without a suffix)", default=None)
     seed: int = _f("seed of the initial weights, the batch order and the samples", default=1337)
     resume: bool = _f("continue from OUT_DIR/ckpt.safetensors exactly where it stopped", default=False)
 
@@ -110,13 +127,31 @@ class TrainConfig:
             raise ValueError("--max-steps is 0 and there is no --time-budget; give one of them so the run can end")
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ValueError(f"--out-dir={self.out_dir!r} must name a folder")
-        if self.export is not None and not str(self.export).endswith(".safetensors"):
-            raise ValueError(f"--export={self.export!r} must be a path ending in .safetensors")
+        if self.export is not None and export_format(self.export) is None:
+            raise ValueError(f"--export={self.export!r} must be a path ending in .safetensors (one file) "
+                             "or a folder without a suffix (Hugging Face)")
         if not isinstance(self.data, (str, type(None))):
             raise ValueError(f"--data={self.data!r} must be a path")
-        for name in ("tie_embeddings", "resume"):
+        for name in ("tie_embeddings", "resume", "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{flag(name)}={getattr(self, name)!r} must be True or False")
+        for name in ("init", "init_tokenizer"):
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise ValueError(f"{flag(name)}={getattr(self, name)!r} must be a path")
+        check_real("--lora-alpha", self.lora_alpha, 0.0, low_open=True)
+        self.lora_spec()                           # checks --lora-targets
+        if self.init is None:
+            for name in ("init_tokenizer", "lora_rank"):
+                if getattr(self, name):
+                    raise ValueError(f"{flag(name)} needs --init PATH: it applies to a model loaded from a checkpoint "
+                                     "(LoRA adapts trained weights)")
+
+    def lora_spec(self) -> LoraSpec:
+        """The LoRA adapters these settings ask for (rank 0: none, full fine-tuning)."""
+        try:
+            return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha, targets=self.lora_targets)
+        except ValueError as e:
+            raise ValueError(f"--lora-rank / --lora-alpha / --lora-targets: {e}") from None
 
     def model_config(self, vocab_size: int) -> LlamaConfig:
         return LlamaConfig(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
@@ -128,13 +163,23 @@ class TrainConfig:
 # The ranges validate() enforces (cli_train prints them in --help).
 POSITIVE_INTS = ("dim", "n_layers", "n_heads", "multiple_of", "seq_len", "batch_size", "grad_accum",
                  "eval_interval", "eval_batches", "log_interval")
-NON_NEGATIVE_INTS = ("vocab_size", "n_kv_heads", "max_seq_len", "warmup_steps", "decay_steps", "max_steps",
-                     "sample_tokens", "seed")
+NON_NEGATIVE_INTS = ("vocab_size", "n_kv_heads", "max_seq_len", "lora_rank", "warmup_steps", "decay_steps",
+                     "max_steps", "sample_tokens", "seed")
 NON_NEGATIVE_FLOATS = ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "time_budget")
 
 # Fields that fix the model, the tokenizer or the data; a resumed run cannot change them.
 STRUCTURAL_FIELDS = ("data", "tokenizer", "vocab_size", "train_fraction", "dim", "n_layers", "n_heads",
-                     "n_kv_heads", "multiple_of", "tie_embeddings", "max_seq_len", "dtype", "seed")
+                     "n_kv_heads", "multiple_of", "tie_embeddings", "max_seq_len", "dtype", "seed", "init",
+                     "init_tokenizer", "lora_rank", "lora_alpha", "lora_targets")
+# Fields that fix the architecture and the tokenizer: with --init they come from the checkpoint.
+ARCHITECTURE_FIELDS = ("tokenizer", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of",
+                       "tie_embeddings", "max_seq_len")
+
+
+def export_format(path) -> str | None:
+    """The format --export PATH writes: 'meta' for a .safetensors file, 'hf' for a folder, None otherwise."""
+    suffix = Path(str(path)).suffix
+    return "meta" if suffix == ".safetensors" else "hf" if not suffix else None
 
 
 # ---- presets: named functions, each a TrainConfig -------------------------------------------------

@@ -38,9 +38,10 @@ from ..llama import Llama
 from ..ops import cross_entropy_forward
 from ..optim import AdamW, clip_grad_norm, lr_at
 from .checkpoint import CHECKPOINT_NAME, load_train_checkpoint, rng_from_state, rng_state, save_train_checkpoint
-from .config import TrainConfig, check_resume
+from .config import TrainConfig, check_resume, export_format
 from .data import Corpus, get_batch, prepare_data
 from .chart import loss_chart
+from .finetune import describe_init, init_architecture, init_model
 from .metrics import METRICS_NAME, PLOT_NAME, MetricsLog, format_duration, plot_metrics, read_metrics
 
 
@@ -191,25 +192,32 @@ class Run:
                      weight_decay=cfg.weight_decay)
 
 
-def new_run(cfg: TrainConfig, log) -> Run:
-    """A fresh model of the config's shape, on the text's tokens, with the batch generator at (seed, 1)."""
+def new_run(cfg: TrainConfig, log, explicit=()) -> Run:
+    """A fresh model of the config's shape (or the --init model: train/finetune.py), on the text's
+    tokens, with the batch generator at (seed, 1). explicit: the fields the user set (init_model)."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
     if ckpt_path.exists():
         raise ValueError(f"{ckpt_path} already exists; add --resume to continue that run, or choose another "
                          "--out-dir (or delete the folder) to start a new one")
-    corpus = prepare_data(cfg, log=log)
-    model = Llama(cfg.model_config(corpus.tokenizer.vocab_size), seed=cfg.seed, dtype=np.dtype(cfg.dtype))
-    model.tokenizer = corpus.tokenizer
+    if cfg.init:
+        model, cfg = init_model(cfg, explicit)
+        corpus = prepare_data(cfg, tokenizer=model.tokenizer, log=log)
+    else:
+        corpus = prepare_data(cfg, log=log)
+        model = Llama(cfg.model_config(corpus.tokenizer.vocab_size), seed=cfg.seed, dtype=np.dtype(cfg.dtype))
+        model.tokenizer = corpus.tokenizer
     run = Run(cfg, model, None, corpus, np.random.default_rng([cfg.seed, 1]), start_step=0)
     run.optimizer = run.new_optimizer()
     return run
 
 
-def resume_run(cfg: TrainConfig, log) -> Run:
+def resume_run(cfg: TrainConfig, log, explicit=()) -> Run:
     """The run saved in OUT_DIR/ckpt.safetensors, exactly where it stopped, with cfg's non-structural values."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
     ck = load_train_checkpoint(ckpt_path)
-    check_resume(TrainConfig.from_dict(ck.state["train_config"]), cfg, ckpt_path)
+    saved = TrainConfig.from_dict(ck.state["train_config"])
+    cfg = init_architecture(saved, cfg, explicit)
+    check_resume(saved, cfg, ckpt_path)
     model = ck.model
     if model.dtype != np.dtype(cfg.dtype):
         raise ValueError(f"{ckpt_path} holds {model.dtype} parameters but --dtype is {cfg.dtype}")
@@ -276,13 +284,16 @@ def log_header(run: Run, preset_name: str | None, log) -> None:
     log(f"npllama train{f' --preset {preset_name}' if preset_name else ''}"
         f"{f' --resume from step {run.start_step}' if cfg.resume else ''}")
     log(f"  data       {corpus.text_path}: train {len(corpus.train_ids):,} / val {len(corpus.val_ids):,} tokens")
-    log(f"  tokenizer  {cfg.tokenizer}, vocab {mcfg.vocab_size}")
+    tokenizer = f"from {cfg.init_tokenizer or cfg.init}" if cfg.init else cfg.tokenizer
+    log(f"  tokenizer  {tokenizer}, vocab {mcfg.vocab_size}")
     log(f"  model      dim {mcfg.dim}, {mcfg.n_layers} layers, {mcfg.n_heads} heads ({mcfg.n_kv_heads} kv), hidden "
-        f"{mcfg.hidden_dim}, seq {cfg.seq_len} (max {mcfg.max_seq_len}): {run.model.n_params():,} params, {cfg.dtype}")
+        f"{mcfg.hidden_dim}, seq {cfg.seq_len} (max {mcfg.max_seq_len}): {mcfg.n_params():,} params, {cfg.dtype}")
+    if cfg.init:
+        log(f"  init       {describe_init(run.model, cfg)}")
     log(f"  optimizer  AdamW lr {cfg.lr:g} -> {cfg.min_lr:g} (warm-up {cfg.warmup_steps}, cosine to step "
         f"{cfg.decay_steps}), betas ({cfg.beta1}, {cfg.beta2}), weight decay {cfg.weight_decay}, clip {cfg.grad_clip}")
     log(f"  batch      {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum} accum = "
-        f"{tokens_per_step:,} tokens a step")
+        f"{tokens_per_step:,} tokens a step{', gradient checkpointing' if cfg.gradient_checkpointing else ''}")
     log(f"  run        steps {run.start_step} -> {cfg.max_steps}"
         f"{f', time budget {format_duration(cfg.time_budget)}' if cfg.time_budget else ''}, eval every "
         f"{cfg.eval_interval} ({cfg.eval_batches} batches), seed {cfg.seed}, out {cfg.out_dir}/")
@@ -416,7 +427,7 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
     """Export, the full validation loss, the loss curve, and the closing summary."""
     cfg, out_dir = run.cfg, Path(run.cfg.out_dir)
     if cfg.export:
-        save(run.model, cfg.export, format="meta")
+        save(run.model, cfg.export, format=export_format(cfg.export))     # LoRA: merged
     # the deterministic figure to quote: every validation token once, in windows of seq_len
     final_val = full_val_loss(run.model, run.corpus.val_ids, cfg.seq_len, cfg.batch_size)
     with open(loop.metrics.path, "a", encoding="utf-8") as f:
@@ -442,16 +453,20 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
                        png, stopped, elapsed, final_val, run.history)
 
 
-def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None = None) -> TrainResult:
+def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None = None,
+          explicit=()) -> TrainResult:
     """Run (or resume) training as cfg says; returns what happened. See the module docstring.
 
+    explicit: the fields the user set (npllama train's flags): with --init, those that fix the
+    architecture must agree with the checkpoint (train/finetune.py); the others follow it.
     Raises ValueError for unusable settings, FileNotFoundError for missing data or checkpoint,
     and TrainingDiverged when the loss stops being finite (the last checkpoint is kept).
     """
     console = Console(out or sys.stdout)
     cfg.validate()
     run_start = time.perf_counter()
-    run = resume_run(cfg, console.log) if cfg.resume else new_run(cfg, console.log)
+    run = resume_run(cfg, console.log, explicit) if cfg.resume else new_run(cfg, console.log, explicit)
+    run.model.gradient_checkpointing = cfg.gradient_checkpointing
     Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     plan(run, run_start, console.log)
     log_header(run, preset_name, console.log)
