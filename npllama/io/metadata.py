@@ -8,6 +8,8 @@ A safetensors header carries a str -> str map beside the tensors. npllama's file
     "npllama_train_state"  present only in training checkpoints (npllama.train.checkpoint): the
                            JSON of the run's state; their optimizer moments are the tensors
                            named OPTIMIZER_PREFIX + ..., which loading the model skips
+    "npllama_checksum"     in every file npllama writes: CRC-32s of the header and of each
+                           tensor's bytes, verified on reading (io/integrity.py)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ CONFIG_KEY = "npllama_config"
 TOKENIZER_KEY = "npllama_tokenizer"
 TRAIN_STATE_KEY = "npllama_train_state"
 OPTIMIZER_PREFIX = "optimizer."
+CHECKSUM_KEY = "npllama_checksum"
 
 
 def model_metadata(config: LlamaConfig, tokenizer=None) -> dict[str, str]:

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..errors import NpllamaError
 from ..io.metadata import (OPTIMIZER_PREFIX, TRAIN_STATE_KEY, config_from_metadata, model_metadata,
                            tokenizer_from_metadata)
 from ..io.safetensors import read_safetensors, read_safetensors_header, write_safetensors_atomic
@@ -59,10 +60,10 @@ def save_train_checkpoint(path, model: Llama, tokenizer, optimizer: AdamW, state
     """
     path = Path(path)
     if path.suffix != ".safetensors":
-        raise ValueError(f"training checkpoint {path} must end in .safetensors")
+        raise NpllamaError(f"training checkpoint {path} must end in .safetensors")
     if optimizer.params is not model.params:
-        raise ValueError("the optimizer does not update this model's parameters; "
-                         "build it as AdamW(model.params, ...)")
+        raise NpllamaError("the optimizer does not update this model's parameters; "
+                           "build it as AdamW(model.params, ...)")
     sd = optimizer.state_dict()
     tensors = dict(model.params)
     for kind in _MOMENTS:
@@ -77,19 +78,19 @@ def save_train_checkpoint(path, model: Llama, tokenizer, optimizer: AdamW, state
 
 def _parse_state(path: Path, metadata: dict) -> dict:
     if TRAIN_STATE_KEY not in metadata:
-        raise ValueError(f"{path} holds model weights but no training state ({TRAIN_STATE_KEY!r}); "
-                         "it cannot be resumed (it can still be loaded with npllama.load)")
+        raise NpllamaError(f"{path} holds model weights but no training state ({TRAIN_STATE_KEY!r}); "
+                           "it cannot be resumed (it can still be loaded with npllama.load)")
     try:
         state = json.loads(metadata[TRAIN_STATE_KEY])
     except ValueError as e:
-        raise ValueError(f"{path}: the training state is not valid JSON ({e}); the file is damaged") from None
+        raise NpllamaError(f"{path}: the training state is not valid JSON ({e}); the file is damaged") from None
     if not isinstance(state, dict) or state.get("version") != FORMAT_VERSION:
         version = state.get("version") if isinstance(state, dict) else None
-        raise ValueError(f"{path}: training state version {version!r} is not {FORMAT_VERSION}; "
-                         "this npllama cannot resume it")
+        raise NpllamaError(f"{path}: training state version {version!r} is not {FORMAT_VERSION}; "
+                           "this npllama cannot resume it")
     missing = [k for k in ("step", "rng", "optimizer", "train_config") if k not in state]
     if missing:
-        raise ValueError(f"{path}: the training state lacks {missing}")
+        raise NpllamaError(f"{path}: the training state lacks {missing}")
     return state
 
 
@@ -140,7 +141,7 @@ def rng_from_state(state: dict) -> np.random.Generator:
     bit_generator_cls = getattr(np.random, str(name), None)
     if bit_generator_cls is None or not isinstance(bit_generator_cls, type) \
             or not issubclass(bit_generator_cls, np.random.BitGenerator):
-        raise ValueError(f"unknown random bit generator {name!r} in the training state")
+        raise NpllamaError(f"unknown random bit generator {name!r} in the training state")
     bit_generator = bit_generator_cls()
     bit_generator.state = state
     return np.random.Generator(bit_generator)
