@@ -48,7 +48,7 @@ def describe_os_error(error: OSError) -> str:
     (the disk is full; free some space)". An OSError npllama raised with its own message keeps it."""
     if error.errno is None or not error.strerror:
         return str(error)
-    paths = " -> ".join(str(p) for p in (error.filename, error.filename2) if p is not None)
+    paths = " -> ".join(dict.fromkeys(str(p) for p in (error.filename, error.filename2) if p is not None))
     hint = _OS_HINTS.get(error.errno)
     cause = error.strerror + (f" ({hint})" if hint else "")
     return f"{paths}: {cause}" if paths else cause

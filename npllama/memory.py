@@ -78,18 +78,20 @@ def pass_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_le
     """A forward (partial_grads=0) or a forward and backward (partial_grads: the shards, each with
     its own gradients until they are summed) over batch_size windows of an existing model, of
     which rows_in_flight are processed at once: the engine's stacked copy of the weights, the
-    partial gradients, the activations and the whole batch's logits."""
+    partial gradients and the activations; a forward also returns the whole batch's logits,
+    gathered from the shards, and its caller's loss takes two more arrays of their size."""
     params = config.n_params() * itemsize
-    logits = 2 * batch_size * seq_len * config.vocab_size * itemsize
+    logits = 0 if partial_grads else 4 * batch_size * seq_len * config.vocab_size * itemsize
     return (1 + partial_grads) * params + activation_bytes(config, rows_in_flight, seq_len, itemsize) + logits
 
 
 def training_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_len: int, itemsize: int,
                    partial_grads: int) -> int:
-    """A training run: the model (model_bytes), AdamW's two moments and its scratch, and one step
-    (pass_bytes with the shards' gradients)."""
-    return (model_bytes(config, itemsize) + 3 * config.n_params() * itemsize
-            + pass_bytes(config, batch_size, rows_in_flight, seq_len, itemsize, partial_grads))
+    """A training run: the model (model_bytes), AdamW's two moments and its scratch, and the larger
+    of a step (pass_bytes with the shards' gradients) and an evaluation (a forward of the batch)."""
+    step = pass_bytes(config, batch_size, rows_in_flight, seq_len, itemsize, partial_grads)
+    evaluation = pass_bytes(config, batch_size, rows_in_flight, seq_len, itemsize)
+    return model_bytes(config, itemsize) + 3 * config.n_params() * itemsize + max(step, evaluation)
 
 
 def array_bytes(count: int, itemsize: int) -> int:

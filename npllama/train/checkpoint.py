@@ -31,12 +31,15 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..checks import check_int, check_real, is_integer, is_real
 from ..errors import NpllamaError
+from ..io.errors import CheckpointError
 from ..io.metadata import (OPTIMIZER_PREFIX, TRAIN_STATE_KEY, config_from_metadata, model_metadata,
                            tokenizer_from_metadata)
 from ..io.safetensors import read_safetensors, read_safetensors_header, write_safetensors_atomic
 from ..llama import Llama
 from ..optim import AdamW
+from .config import TrainConfig
 
 CHECKPOINT_NAME = "ckpt.safetensors"
 FORMAT_VERSION = 1
@@ -91,7 +94,34 @@ def _parse_state(path: Path, metadata: dict) -> dict:
     missing = [k for k in ("step", "rng", "optimizer", "train_config") if k not in state]
     if missing:
         raise NpllamaError(f"{path}: the training state lacks {missing}")
+    try:
+        _check_state_fields(state)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: the training state is unusable: {e}; the file is damaged "
+                              "or was not written by npllama train") from None
     return state
+
+
+def _check_state_fields(state: dict) -> None:
+    """Every field a resume reads, of the type it needs (JSON may hold anything): NpllamaError
+    naming the first one that is not."""
+    check_int("step", state["step"], 0)
+    for key in ("rng", "optimizer", "train_config"):
+        if not isinstance(state[key], dict):
+            raise NpllamaError(f"{key}={state[key]!r} must be a JSON object")
+    rng_from_state(state["rng"])
+    TrainConfig.from_dict(state["train_config"]).validate()
+    check_real("elapsed", state.get("elapsed", 0.0), 0.0)
+    check_int("tokens", state.get("tokens", 0), 0)
+    for key in ("val_loss", "best_loss"):
+        if state.get(key) is not None:
+            check_real(key, state[key])
+    history = state.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 and is_integer(h[0])
+                                                and is_real(h[1]) for h in history):
+        raise NpllamaError(f"history={str(history)[:80]} must be a list of [step, val_loss] pairs")
+    if not isinstance(state.get("text_sha256", ""), str):
+        raise NpllamaError(f"text_sha256={state['text_sha256']!r} must be a string")
 
 
 def _require_file(path: Path) -> None:
@@ -107,8 +137,16 @@ def load_train_state(path) -> dict:
     return _parse_state(path, read_safetensors_header(path)[1])
 
 
+def load_model_config(path):
+    """The LlamaConfig of a training checkpoint, from its header alone (for the memory check of a resume)."""
+    path = Path(path)
+    _require_file(path)
+    return config_from_metadata(read_safetensors_header(path)[1], str(path))
+
+
 def load_train_checkpoint(path) -> TrainCheckpoint:
-    """Read a file save_train_checkpoint wrote; every missing piece is a ValueError that names it.
+    """Read a file save_train_checkpoint wrote; every missing or damaged piece is an NpllamaError
+    that names it (the CRC-32s of io/integrity.py are verified, NaN and infinity refused).
 
     The model keeps the saved dtype (no cast), so a resumed run continues bit for bit.
     """
@@ -118,6 +156,9 @@ def load_train_checkpoint(path) -> TrainCheckpoint:
     state = _parse_state(path, metadata)
     config = config_from_metadata(metadata, str(path))
     tokenizer = tokenizer_from_metadata(metadata, str(path))
+    for name, t in tensors.items():       # a run is never saved diverged (train/loop.py)
+        if t.dtype.kind == "f" and not np.isfinite(t).all():
+            raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; the file is damaged")
     params = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
     model = Llama.from_params(config, params)      # checks names and shapes, keeps the dtype
     model.tokenizer = tokenizer
@@ -143,5 +184,8 @@ def rng_from_state(state: dict) -> np.random.Generator:
             or not issubclass(bit_generator_cls, np.random.BitGenerator):
         raise NpllamaError(f"unknown random bit generator {name!r} in the training state")
     bit_generator = bit_generator_cls()
-    bit_generator.state = state
+    try:
+        bit_generator.state = state
+    except (TypeError, ValueError, KeyError) as e:
+        raise NpllamaError(f"the random generator state in the training state is unusable ({e})") from None
     return np.random.Generator(bit_generator)
