@@ -11,8 +11,8 @@ The estimates, in bytes (itemsize: bytes per element of the dtype the arrays are
     model_bytes        the parameters (LlamaConfig.n_params, a closed form) and the RoPE tables
     rope_bytes         cos and sin, (max_seq_len, Dh/2) each
     kv_cache_bytes     keys (L, B, KVH, Dh, S) and values with a ones column (L, B, KVH, S, Dh + 1)
-    activation_bytes   one forward and backward of `rows` windows: every layer's cache, one
-                       layer's temporaries and the logits
+    activation_bytes   the caches a forward of `rows` windows keeps for the backward, and one
+                       layer's temporaries
     pass_bytes         Llama.forward / loss_and_grads on a batch: the activations of the rows
                        processed at once (npllama.engine.pass_footprint), the engine's stacked
                        weights, the shards' gradients until summed, the logits
@@ -61,16 +61,15 @@ def kv_cache_bytes(config: LlamaConfig, batch_size: int, itemsize: int) -> int:
 
 
 def activation_bytes(config: LlamaConfig, rows: int, seq_len: int, itemsize: int) -> int:
-    """One forward and backward of `rows` windows of seq_len tokens whose caches are alive at once.
+    """The caches of a forward of `rows` windows of seq_len tokens, kept for the backward.
 
-    Per layer and token the caches hold ~8 vectors of D, 6 of F and 3 of the q/k/v width, plus
-    the attention probabilities (rows, H, T, T); one layer's temporaries add two more of those,
-    and the logits with their softmax and gradient four (N, V).
+    Per layer and token they hold ~8 vectors of D, 6 of F and 3 of the q/k/v width, plus the
+    attention probabilities (rows, H, T, T); one layer's temporaries add two more of those.
     """
     D, F, H, KVH, Dh = config.dim, config.hidden_dim, config.n_heads, config.n_kv_heads, config.head_dim
     tokens, scores = rows * seq_len, rows * H * seq_len * seq_len
     per_layer = tokens * (8 * D + 6 * F + 3 * (H + 2 * KVH) * Dh) + scores
-    return itemsize * (config.n_layers * per_layer + 2 * scores + 4 * tokens * config.vocab_size)
+    return itemsize * (config.n_layers * per_layer + 2 * scores)
 
 
 def pass_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_len: int, itemsize: int,
@@ -78,10 +77,11 @@ def pass_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_le
     """A forward (partial_grads=0) or a forward and backward (partial_grads: the shards, each with
     its own gradients until they are summed) over batch_size windows of an existing model, of
     which rows_in_flight are processed at once: the engine's stacked copy of the weights, the
-    partial gradients and the activations; a forward also returns the whole batch's logits,
-    gathered from the shards, and its caller's loss takes two more arrays of their size."""
+    partial gradients, the activations, and four arrays of logits' size (N, V): in a backward
+    the logits, softmax and gradient of the rows in flight; in a forward the whole batch's,
+    gathered from the shards, concatenated, and what its caller's loss makes of them."""
     params = config.n_params() * itemsize
-    logits = 0 if partial_grads else 4 * batch_size * seq_len * config.vocab_size * itemsize
+    logits = 4 * (rows_in_flight if partial_grads else batch_size) * seq_len * config.vocab_size * itemsize
     return (1 + partial_grads) * params + activation_bytes(config, rows_in_flight, seq_len, itemsize) + logits
 
 

@@ -6,7 +6,9 @@ in the metadata, a Hugging Face folder (model.safetensors and config.json), llam
 bit flips in the header and in the data, appended bytes, and header or config fields replaced
 by a value of the wrong type or size. Every outcome must be either a model whose logits are
 finite or an NpllamaError, within a time bound (SIGALRM) and a memory bound (tracemalloc) per
-case, so a hang or a runaway allocation fails the test instead of stalling the suite.
+case, so a hang or a runaway allocation fails the test instead of stalling the suite. The
+memory npllama believes is available is set to MEMORY_AVAILABLE for the fuzzing: whatever a
+header makes it allocate beyond that must be refused by npllama.memory's check, not attempted.
 """
 
 import json
@@ -14,6 +16,7 @@ import math
 import signal
 import struct
 import tracemalloc
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import npllama
+from npllama import memory
 from npllama.io.llama2c import LLAMA2C_MAGIC
 from npllama.io.metadata import CHECKSUM_KEY
 from npllama.tokenizers import CharTokenizer
@@ -30,7 +34,8 @@ from npllama.train.checkpoint import load_train_checkpoint, rng_from_state, save
 from .test_checkpoint import _write_llama2c
 
 SECONDS_PER_CASE = 5          # generous: a clean refusal takes milliseconds
-BYTES_PER_CASE = 64 << 20     # the files are a few kB; a case allocating 64 MB believed a header
+MEMORY_AVAILABLE = memory.CHECK_FLOOR + (16 << 20)
+BYTES_PER_CASE = 2 * MEMORY_AVAILABLE     # the files are a few kB: more than this was allocated unchecked
 CASES = 250                   # per format: about 2 s each
 
 BAD_VALUES = [[1], {}, None, "x", "16", -1, 0, True, 1e308, 2 ** 70, [[]], {"a": 1}]
@@ -154,7 +159,7 @@ def _outcome(load, target):
     tracemalloc.start()
     signal.setitimer(signal.ITIMER_REAL, SECONDS_PER_CASE)
     try:
-        with np.errstate(all="ignore"):       # e.g. rms_norm_eps=1e308 overflows float32, harmlessly
+        with np.errstate(all="ignore"), mock.patch.object(memory, "available_bytes", lambda: MEMORY_AVAILABLE):       # e.g. rms_norm_eps=1e308 overflows float32, harmlessly
             model = load(target)
             logits = model.forward(np.array([[1, 2, 3]]))
         return logits, None, tracemalloc.get_traced_memory()[1]

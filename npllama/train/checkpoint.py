@@ -110,7 +110,10 @@ def _check_state_fields(state: dict) -> None:
         if not isinstance(state[key], dict):
             raise NpllamaError(f"{key}={state[key]!r} must be a JSON object")
     rng_from_state(state["rng"])
-    TrainConfig.from_dict(state["train_config"]).validate()
+    try:
+        TrainConfig.from_dict(state["train_config"]).validate()
+    except ValueError as e:
+        raise NpllamaError(f"train_config: {e}") from None
     check_real("elapsed", state.get("elapsed", 0.0), 0.0)
     check_int("tokens", state.get("tokens", 0), 0)
     for key in ("val_loss", "best_loss"):
@@ -182,10 +185,10 @@ def rng_from_state(state: dict) -> np.random.Generator:
     bit_generator_cls = getattr(np.random, str(name), None)
     if bit_generator_cls is None or not isinstance(bit_generator_cls, type) \
             or not issubclass(bit_generator_cls, np.random.BitGenerator):
-        raise NpllamaError(f"unknown random bit generator {name!r} in the training state")
+        raise NpllamaError(f"the training state's rng names an unknown random bit generator {name!r}")
     bit_generator = bit_generator_cls()
     try:
         bit_generator.state = state
     except (TypeError, ValueError, KeyError) as e:
-        raise NpllamaError(f"the random generator state in the training state is unusable ({e})") from None
+        raise NpllamaError(f"the training state's rng (random generator state) is unusable ({e})") from None
     return np.random.Generator(bit_generator)

@@ -136,6 +136,12 @@ def sample_text(model: Llama, tokenizer, n_tokens: int, seed: int, prompt: str =
 
 
 
+def parameter_norm(params: dict) -> float:
+    """The L2 norm of all parameters together (inf when it overflows: a blown-up model)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return math.sqrt(sum(float(np.vdot(p, p)) for p in params.values()))
+
+
 # ---- the run --------------------------------------------------------------------------------------
 
 class TrainingDiverged(NpllamaError):
@@ -375,6 +381,7 @@ class Loop:
         cfg = run.cfg
         self.watch = DivergenceWatch(run.model.config.vocab_size, cfg.batch_size * cfg.seq_len * cfg.grad_accum,
                                      run.best_loss, min((v for _, v in run.history), default=None))
+        self.param_norm = parameter_norm(run.model.params)
 
     def _kept(self) -> str:
         run = self.run
@@ -439,7 +446,8 @@ class Loop:
                    for _ in range(cfg.grad_accum)]
         loss, norm = train_step(run.model, run.optimizer, batches, lr, cfg.grad_clip)
         broken = f"the gradient norm is {norm}" if not math.isfinite(norm) and math.isfinite(loss) else None
-        broken = broken or self.watch.train_loss(step + 1, loss)
+        before, self.param_norm = self.param_norm, parameter_norm(run.model.params)
+        broken = broken or self.watch.train_loss(step + 1, loss) or self.watch.param_norm(before, self.param_norm)
         if broken:
             raise self.diverged(step + 1, broken)
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
