@@ -1,9 +1,11 @@
 """npllama: LLaMA-2 in pure NumPy, with hand-written backward passes.
 
-The public surface (see CONTRACT.md): LlamaConfig, Llama, load, save, AdamW, clip_grad_norm.
+The public surface (see CONTRACT.md): LlamaConfig, Llama, load, save, AdamW, clip_grad_norm, and
+NpllamaError, the ValueError every error npllama raises on purpose derives from.
 
 Layers, each importing only from those before it (tests/test_layout.py checks it):
-    checks, config, tokenizers      the blueprint and small shared pieces
+    errors, checks, config, memory  the error family, argument checks, the blueprint, memory estimates
+    tokenizer_json, tokenizers      text <-> ids
     ops, kvcache, model, lora       the reference math: pure functions a reader reads
     optim, sampling, gradcheck      AdamW and clipping, choosing tokens, numerical gradients
     engine                          speed only, tested equal to the reference
@@ -14,9 +16,10 @@ Layers, each importing only from those before it (tests/test_layout.py checks it
 """
 
 from .config import LlamaConfig
+from .errors import NpllamaError
 from .io import load, save
 from .llama import Llama
 from .optim import AdamW, clip_grad_norm
 
-__all__ = ["LlamaConfig", "Llama", "load", "save", "AdamW", "clip_grad_norm"]
+__all__ = ["LlamaConfig", "Llama", "load", "save", "AdamW", "clip_grad_norm", "NpllamaError"]
 __version__ = "0.1.0"

@@ -2,7 +2,8 @@
 
 The rules in one place: a bool is never a number here (True is an int subclass, but
 n_heads=True is a typo, not a size), NumPy scalars count like Python ones, and a real number
-must be finite. Each check raises ValueError naming the argument and the range it must lie in.
+must be finite. Each check raises NpllamaError (a ValueError) naming the argument and the range
+it must lie in.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import dataclasses
 import math
 
 import numpy as np
+
+from .errors import NpllamaError
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -27,29 +30,29 @@ def is_real(value) -> bool:
 
 
 def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None, hint: str = "") -> int:
-    """value as a Python int, or ValueError when it is not a whole number in [minimum, maximum]."""
+    """value as a Python int, or NpllamaError when it is not a whole number in [minimum, maximum]."""
     if not is_integer(value):
-        raise ValueError(f"{name}={value!r} must be an integer{hint}")
+        raise NpllamaError(f"{name}={value!r} must be an integer{hint}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}{hint}")
+        raise NpllamaError(f"{name}={value} must be >= {minimum}{hint}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name}={value} must be <= {maximum}{hint}")
+        raise NpllamaError(f"{name}={value} must be <= {maximum}{hint}")
     return int(value)
 
 
 def check_real(name: str, value, low: float = -math.inf, high: float = math.inf, *,
                low_open: bool = False, high_open: bool = False, hint: str = "") -> float:
-    """value as a Python float, or ValueError when it is not a finite number in the interval.
+    """value as a Python float, or NpllamaError when it is not a finite number in the interval.
 
     The interval is [low, high], open at an end when low_open / high_open is set.
     """
     if not is_real(value):
-        raise ValueError(f"{name}={value!r} must be a finite number{hint}")
+        raise NpllamaError(f"{name}={value!r} must be a finite number{hint}")
     too_low = value <= low if low_open else value < low
     too_high = value >= high if high_open else value > high
     if too_low or too_high:
         left, right = "(" if low_open else "[", ")" if high_open else "]"
-        raise ValueError(f"{name}={value!r} must lie in {left}{low}, {high}{right}{hint}")
+        raise NpllamaError(f"{name}={value!r} must lie in {left}{low}, {high}{right}{hint}")
     return float(value)
 
 
@@ -58,21 +61,21 @@ def check_dtype(dtype) -> np.dtype:
     try:
         dtype = np.dtype(dtype)
     except TypeError:
-        raise ValueError(f"dtype={dtype!r} is not a NumPy dtype; use np.float32 (default) or np.float64") from None
+        raise NpllamaError(f"dtype={dtype!r} is not a NumPy dtype; use np.float32 (default) or np.float64") from None
     if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype={dtype} is not supported; use np.float32 (default) or np.float64")
+        raise NpllamaError(f"dtype={dtype} is not supported; use np.float32 (default) or np.float64")
     return dtype
 
 
 def dataclass_from_dict(cls, d, what: str):
-    """cls(**d) for a dict read from JSON: anything but an object, or an unknown key, is a ValueError.
+    """cls(**d) for a dict read from JSON: anything but an object, or an unknown key, is an NpllamaError.
 
     The fields' own checks (the dataclass's __post_init__ or validate) then judge the values.
     """
     if not isinstance(d, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(d).__name__}")
+        raise NpllamaError(f"{what} must be a JSON object, got {type(d).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(map(str, set(d) - known))
     if unknown:
-        raise ValueError(f"unknown {what} fields {unknown}; known fields are {sorted(known)}")
+        raise NpllamaError(f"unknown {what} fields {unknown}; known fields are {sorted(known)}")
     return cls(**d)

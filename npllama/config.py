@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 
 from .checks import check_int, check_real, dataclass_from_dict
+from .errors import NpllamaError
 
 
 def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -47,15 +47,15 @@ class LlamaConfig:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         object.__setattr__(self, "n_kv_heads", check_int("n_kv_heads", self.n_kv_heads, 1))
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise NpllamaError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                 "grouped-query attention needs whole groups of query heads per key/value head")
         if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; "
-                             "each head takes dim // n_heads features")
+            raise NpllamaError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                               "each head takes dim // n_heads features")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim = dim // n_heads = {self.head_dim} is odd; "
-                             "RoPE rotates features in pairs (2i, 2i+1), so it must be even")
+            raise NpllamaError(f"head_dim = dim // n_heads = {self.head_dim} is odd; "
+                               "RoPE rotates features in pairs (2i, 2i+1), so it must be even")
         if self.ffn_dim_multiplier is not None:
             object.__setattr__(self, "ffn_dim_multiplier", check_real(
                 "ffn_dim_multiplier", self.ffn_dim_multiplier, 0.0, low_open=True, hint=" (or None)"))
@@ -66,7 +66,7 @@ class LlamaConfig:
         for name in ("norm_eps", "rope_theta"):
             object.__setattr__(self, name, check_real(name, getattr(self, name), 0.0, low_open=True))
         if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
+            raise NpllamaError(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
 
     @property
     def head_dim(self) -> int:
@@ -100,7 +100,11 @@ class LlamaConfig:
         return shapes
 
     def n_params(self) -> int:
-        return sum(math.prod(s) for s in self.param_shapes().values())
+        """The number of parameters, sum(prod(shape)) over param_shapes(), in closed form: no
+        per-layer loop, so it is instant for any n_layers a file may claim (npllama.memory)."""
+        D, F, V, Dh = self.dim, self.hidden_dim, self.vocab_size, self.head_dim
+        per_layer = 2 * D + 2 * self.n_heads * Dh * D + 2 * self.n_kv_heads * Dh * D + 3 * F * D
+        return V * D * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + D
 
     def replace(self, **changes) -> "LlamaConfig":
         """A copy with some fields changed and validated again (e.g. max_seq_len=4096)."""
@@ -122,5 +126,5 @@ class LlamaConfig:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"config is not valid JSON: {e}") from None
+            raise NpllamaError(f"config is not valid JSON: {e}") from None
         return cls.from_dict(d)

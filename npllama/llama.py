@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import engine, generate as generation
+from . import engine, generate as generation, memory
 from .checks import check_dtype, check_int
 from .config import LlamaConfig
 from .engine.lora import freeze_stacked, lora_blocks
 from .engine.passes import stacked_blocks
 from .engine.recompute import recomputed
+from .errors import NpllamaError
 from .kvcache import KVCache
 from .lora import LoraSpec, adapter_shapes, check_adapters, init_adapters, merge
 from .model import TokenError, check_tokens, init_params, model_rope_tables
@@ -32,8 +33,12 @@ class Llama:
 
     def __init__(self, config: LlamaConfig, seed: int = 0, dtype=np.float32):
         if not isinstance(config, LlamaConfig):
-            raise ValueError(f"config must be a LlamaConfig, got {type(config).__name__}")
-        self._setup(config, init_params(config, seed, dtype), check_dtype(dtype))
+            raise NpllamaError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        dtype = check_dtype(dtype)
+        memory.require(memory.model_bytes(config, dtype.itemsize),
+                       f"a {dtype.name} model of {config.n_params():,} parameters",
+                       "choose a smaller dim, n_layers, vocab_size or max_seq_len")
+        self._setup(config, init_params(config, seed, dtype), dtype)
 
     def _setup(self, config: LlamaConfig, params: dict, dtype: np.dtype) -> None:
         self.config = config
@@ -62,11 +67,16 @@ class Llama:
         if missing or unexpected or misshapen:
             parts = [f"{what} {names}" for what, names in
                      (("missing", missing), ("unexpected", unexpected), ("wrong shapes", misshapen)) if names]
-            raise ValueError("parameters do not fit the config: " + "; ".join(parts))
+            raise NpllamaError("parameters do not fit the config: " + "; ".join(parts))
         if dtype is None:
             first = np.asarray(params["tok_embeddings.weight"]).dtype
             dtype = first if first in (np.float32, np.float64) else np.float32
         dtype = check_dtype(dtype)
+        copies = sum(memory.array_bytes(np.size(params[n]), dtype.itemsize) for n in expected
+                     if not (isinstance(params[n], np.ndarray) and params[n].dtype == dtype))
+        memory.require(copies + memory.rope_bytes(config, dtype.itemsize),
+                       f"a {dtype.name} model with max_seq_len={config.max_seq_len}",
+                       "a smaller max_seq_len (npllama.load(..., max_seq_len=N)) or dtype float32")
         model = cls.__new__(cls)
         model._setup(config, {n: np.ascontiguousarray(params[n], dtype=dtype) for n in expected}, dtype)
         return model
@@ -74,6 +84,9 @@ class Llama:
     def new_kv_cache(self, batch_size: int = 1) -> KVCache:
         """An empty cache for batch_size rows, in the layout the engine's decode step reads fastest."""
         cfg = self.config
+        memory.require(memory.kv_cache_bytes(cfg, batch_size, self.dtype.itemsize),
+                       f"a KV cache of {batch_size} rows x {cfg.max_seq_len} positions x {cfg.n_layers} layers",
+                       "fewer prompts at once, or a smaller max_seq_len")
         return engine.DecodeCache(cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, self.dtype)
 
     def forward(self, tokens, kv_cache: KVCache | None = None, start_pos: int = 0, mask=None, workers=None):
@@ -91,15 +104,16 @@ class Llama:
         one_dim = np.ndim(tokens) == 1
         start_pos = check_int("start_pos", start_pos, 0)
         tokens = check_tokens(tokens, self.config, start_pos=start_pos)
+        self._require_pass(tokens, workers, grads=False)
         if kv_cache is None:
             if start_pos:
-                raise ValueError(f"start_pos={start_pos} needs a kv_cache holding the earlier positions")
+                raise NpllamaError(f"start_pos={start_pos} needs a kv_cache holding the earlier positions")
         else:
             if kv_cache.batch_size != tokens.shape[0]:
-                raise ValueError(f"kv_cache holds batch {kv_cache.batch_size}, tokens have {tokens.shape[0]} rows")
+                raise NpllamaError(f"kv_cache holds batch {kv_cache.batch_size}, tokens have {tokens.shape[0]} rows")
             if start_pos > kv_cache.length:
-                raise ValueError(f"start_pos={start_pos} skips positions: the kv_cache holds only "
-                                 f"{kv_cache.length}")
+                raise NpllamaError(f"start_pos={start_pos} skips positions: the kv_cache holds only "
+                                   f"{kv_cache.length}")
         logits = engine.forward(self.params, self.config, self.rope, tokens, kv_cache=kv_cache,
                                 start_pos=start_pos, mask=mask, workers=workers, blocks=self._blocks())
         if kv_cache is not None:
@@ -118,8 +132,16 @@ class Llama:
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
             raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
+        self._require_pass(tokens, workers, grads=True)
         return engine.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers,
                                      blocks=self._blocks())
+
+    def _require_pass(self, tokens: np.ndarray, workers, grads: bool) -> None:
+        """Refuse a batch whose activations cannot fit (npllama.memory), before computing it."""
+        B, T = tokens.shape
+        rows, shards = engine.pass_footprint(B, T, self.config.dim, workers)
+        memory.require(memory.pass_bytes(self.config, B, rows, T, self.dtype.itemsize, shards if grads else 0),
+                       f"{'loss_and_grads' if grads else 'forward'} on {B} x {T} tokens", "a smaller batch")
 
     def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
                  seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False,

@@ -29,6 +29,7 @@ import numpy as np
 
 from .checks import check_dtype
 from .config import LlamaConfig
+from .errors import NpllamaError
 from .kvcache import KVCache
 from .ops import (
     IGNORE_INDEX,
@@ -100,7 +101,7 @@ def output_weight_name(config: LlamaConfig) -> str:
     return "tok_embeddings.weight" if config.tie_embeddings else "output.weight"
 
 
-class TokenError(ValueError):
+class TokenError(NpllamaError):
     """Token or target ids that the model cannot take."""
 
 

@@ -20,6 +20,7 @@ from typing import Mapping
 import numpy as np
 
 from .checks import check_int, check_real
+from .errors import NpllamaError
 
 
 class AdamW:
@@ -178,7 +179,7 @@ class AdamW:
                 except ValueError as e:
                     problems.append(str(e))
         if problems:
-            raise ValueError("optimizer state does not fit this optimizer: " + "; ".join(problems))
+            raise NpllamaError("optimizer state does not fit this optimizer: " + "; ".join(problems))
         for n in self.params:
             np.copyto(self.exp_avg[n], sd[f"exp_avg.{n}"], casting="unsafe")
             np.copyto(self.exp_avg_sq[n], sd[f"exp_avg_sq.{n}"], casting="unsafe")

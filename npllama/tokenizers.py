@@ -31,6 +31,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from .checks import check_int
+from .errors import NpllamaError
 from .tokenizer_json import from_json_dict, hf_tokenizer, tokenizer_from_folder
 
 
@@ -42,11 +43,11 @@ class CharTokenizer:
 
     def __init__(self, chars: str):
         if not isinstance(chars, str) or not chars:
-            raise ValueError("CharTokenizer needs a non-empty string of distinct characters, "
-                             f"got {chars!r}; build one from text with CharTokenizer.from_text(text)")
+            raise NpllamaError("CharTokenizer needs a non-empty string of distinct characters, "
+                               f"got {chars!r}; build one from text with CharTokenizer.from_text(text)")
         if len(set(chars)) != len(chars):
             repeated = sorted({c for c in chars if chars.count(c) > 1})
-            raise ValueError(f"CharTokenizer characters must be distinct; repeated: {repeated!r}")
+            raise NpllamaError(f"CharTokenizer characters must be distinct; repeated: {repeated!r}")
         self.chars = chars
         self._stoi = {c: i for i, c in enumerate(chars)}
 
@@ -54,7 +55,7 @@ class CharTokenizer:
     def from_text(cls, text: str) -> "CharTokenizer":
         """The vocabulary of `text`: its distinct characters in sorted (code point) order."""
         if not isinstance(text, str) or not text:
-            raise ValueError("CharTokenizer.from_text needs non-empty text")
+            raise NpllamaError("CharTokenizer.from_text needs non-empty text")
         return cls("".join(sorted(set(text))))
 
     @property
@@ -63,12 +64,12 @@ class CharTokenizer:
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         if bos or eos:
-            raise ValueError("a CharTokenizer has no BOS/EOS tokens; call encode(text) without bos/eos")
+            raise NpllamaError("a CharTokenizer has no BOS/EOS tokens; call encode(text) without bos/eos")
         try:
             return [self._stoi[c] for c in text]
         except KeyError:
             unknown = sorted(set(text) - set(self._stoi))
-            raise ValueError(
+            raise NpllamaError(
                 f"text has {len(unknown)} character(s) outside this tokenizer's vocabulary: "
                 f"{''.join(unknown)!r} (codes {[hex(ord(c)) for c in unknown[:10]]}); "
                 f"the vocabulary is {self.chars!r}") from None
@@ -77,7 +78,7 @@ class CharTokenizer:
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < len(self.chars)]
         if bad:
-            raise ValueError(f"token ids {bad[:10]} are outside [0, {len(self.chars)}) for this CharTokenizer")
+            raise NpllamaError(f"token ids {bad[:10]} are outside [0, {len(self.chars)}) for this CharTokenizer")
         return "".join(self.chars[i] for i in ids)
 
     def stream_decoder(self) -> "_CharStream":
@@ -115,15 +116,15 @@ class SentencePieceTokenizer:
 
     def __init__(self, model_proto: bytes):
         if not isinstance(model_proto, (bytes, bytearray)) or not model_proto:
-            raise ValueError("SentencePieceTokenizer needs the bytes of a sentencepiece model "
-                             "(a tokenizer.model file's content); use SentencePieceTokenizer.from_file(path) for a path")
+            raise NpllamaError("SentencePieceTokenizer needs the bytes of a sentencepiece model (a tokenizer.model "
+                               "file's content); use SentencePieceTokenizer.from_file(path) for a path")
         self.model_proto = bytes(model_proto)
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.LoadFromSerializedProto(self.model_proto)
         except (RuntimeError, OSError) as e:
-            raise ValueError(f"not a valid sentencepiece model ({e}); expected the bytes of a "
-                             "tokenizer.model file such as Llama 2's") from None
+            raise NpllamaError(f"not a valid sentencepiece model ({e}); expected the bytes of a "
+                               "tokenizer.model file such as Llama 2's") from None
         sp = self._sp
         self.vocab_size = sp.vocab_size()
         self.bos_id = sp.bos_id() if sp.bos_id() >= 0 else None
@@ -141,15 +142,15 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         if not isinstance(text, str):
-            raise ValueError(f"encode needs a str, got {type(text).__name__}")
+            raise NpllamaError(f"encode needs a str, got {type(text).__name__}")
         ids = self._sp.encode(text)
         if bos:
             if self.bos_id is None:
-                raise ValueError("this sentencepiece model has no BOS token; encode without bos=True")
+                raise NpllamaError("this sentencepiece model has no BOS token; encode without bos=True")
             ids = [self.bos_id] + ids
         if eos:
             if self.eos_id is None:
-                raise ValueError("this sentencepiece model has no EOS token; encode without eos=True")
+                raise NpllamaError("this sentencepiece model has no EOS token; encode without eos=True")
             ids = ids + [self.eos_id]
         return ids
 
@@ -157,7 +158,7 @@ class SentencePieceTokenizer:
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:10]} are outside [0, {self.vocab_size}) for this sentencepiece model")
+            raise NpllamaError(f"token ids {bad[:10]} are outside [0, {self.vocab_size}) for this sentencepiece model")
         return ids
 
     def decode(self, ids) -> str:
@@ -277,13 +278,13 @@ def train_sentencepiece(text: str, vocab_size: int, seed: int = 0) -> SentencePi
     which these settings (no sentence sampling, no shuffling) do not consume.
     """
     if not isinstance(text, str) or not text.strip():
-        raise ValueError("train_sentencepiece needs non-empty text")
+        raise NpllamaError("train_sentencepiece needs non-empty text")
     check_int("vocab_size", vocab_size, 1)
     lines = [line for line in text.split("\n") if line]
     n_chars = len(set("".join(lines)))
     minimum = 3 + 256 + n_chars + 1  # specials, bytes, every character, the '▁'
     if vocab_size < minimum:
-        raise ValueError(
+        raise NpllamaError(
             f"vocab_size={vocab_size} is too small for this text: it needs at least {minimum} "
             f"(3 special tokens + 256 byte-fallback tokens + {n_chars} distinct characters + '▁'); "
             "raise vocab_size or use a CharTokenizer")
@@ -300,8 +301,8 @@ def train_sentencepiece(text: str, vocab_size: int, seed: int = 0) -> SentencePi
             input_sentence_size=0, shuffle_input_sentence=False,
             max_sentence_length=max(4192, longest + 1), num_threads=1, minloglevel=2)
     except RuntimeError as e:
-        raise ValueError(f"sentencepiece could not train a {vocab_size}-token model on this text: {e}; "
-                         "a smaller vocab_size or more text usually fixes it") from None
+        raise NpllamaError(f"sentencepiece could not train a {vocab_size}-token model on this text: {e}; "
+                           "a smaller vocab_size or more text usually fixes it") from None
     return SentencePieceTokenizer(model.getvalue())
 
 
@@ -310,7 +311,7 @@ def tokenizer_from_json(text: str):
     try:
         d = json.loads(text)
     except (TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"tokenizer JSON is not valid JSON: {e}") from None
+        raise NpllamaError(f"tokenizer JSON is not valid JSON: {e}") from None
     kind = d.get("type") if isinstance(d, dict) else None
     if kind == "char" and isinstance(d.get("chars"), str):
         return CharTokenizer(d["chars"])
@@ -318,14 +319,14 @@ def tokenizer_from_json(text: str):
         try:
             proto = base64.b64decode(d["model_proto_base64"], validate=True)
         except ValueError as e:
-            raise ValueError(f"tokenizer JSON holds a corrupt base64 sentencepiece model: {e}") from None
+            raise NpllamaError(f"tokenizer JSON holds a corrupt base64 sentencepiece model: {e}") from None
         return SentencePieceTokenizer(proto)
     if kind == "hf_tokenizer_json":
         return from_json_dict(d)
-    raise ValueError('tokenizer JSON must be {"type": "char", "chars": ...}, '
-                     '{"type": "sentencepiece", "model_proto_base64": ...} or '
-                     '{"type": "hf_tokenizer_json", "tokenizer_json": ...}; got '
-                     f"{(text[:80] + '...') if len(text) > 80 else text!r}")
+    raise NpllamaError('tokenizer JSON must be {"type": "char", "chars": ...}, '
+                       '{"type": "sentencepiece", "model_proto_base64": ...} or '
+                       '{"type": "hf_tokenizer_json", "tokenizer_json": ...}; got '
+                       f"{(text[:80] + '...') if len(text) > 80 else text!r}")
 
 
 def tokenizer_from_file(path):

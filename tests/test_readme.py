@@ -11,6 +11,7 @@ starts with `npllama `, `python ` or `pip `. Each one must have an entry in COVE
                 written.
     CI          a line of .ci/run starts with the command (installs, the test command itself,
                 benchmarks with torch, which append a short budget there).
+    CoveredBy(t) a command (or its pattern) that the test function t runs, in the file named.
     FINETUNE    a command of the "Fine-tuning" section's bash blocks, which
                 tests/test_finetune.py::test_the_readme_fine_tuning_example_runs_as_written runs.
 
@@ -55,6 +56,11 @@ class Run:
 
 CI = "ci"
 FINETUNE = "finetune"
+
+
+@dataclass(frozen=True)
+class CoveredBy:
+    test: str                          # "tests/file.py::test_name"
 SHORT = ("--max-steps", "10", "--eval-interval", "5", "--eval-batches", "4")
 
 COVERAGE = {
@@ -99,6 +105,12 @@ COVERAGE = {
     "npllama generate -m runs/stories-lora/ckpt.safetensors -p \"ROMEO:\" -n 60 -s 1": FINETUNE,
     "npllama export -m runs/stories-lora/ckpt.safetensors -o runs/stories-lora/hf": FINETUNE,
     "python tools/bench_finetune.py": CI,
+    # Faults and guarantees
+    "npllama generate ... | head -c 10":
+        CoveredBy("tests/test_faults.py::test_generate_into_a_pipe_closed_early_ends_quietly"),
+    "npllama train | head": CoveredBy("tests/test_faults.py::test_train_into_a_pipe_closed_early_stops_and_saves"),
+    "npllama train >&-": CoveredBy("tests/test_faults.py::test_a_closed_stdout_is_no_error"),
+    "python tools/bench_integrity.py": CI,
 }
 
 
@@ -141,6 +153,9 @@ def test_every_readme_command_is_covered():
     finetune = re.sub(r"\s*\\\n\s*", " ", finetune)
     not_there = [c for c, how in COVERAGE.items() if how == FINETUNE and c not in finetune]
     assert not not_there, f"marked FINETUNE but not in the Fine-tuning section: {not_there}"
+    absent_tests = [how.test for how in COVERAGE.values() if isinstance(how, CoveredBy)
+                    and f"def {how.test.split('::')[1]}(" not in (REPO / how.test.split("::")[0]).read_text()]
+    assert not absent_tests, f"COVERAGE names tests that do not exist: {absent_tests}"
     # a line of .ci/run that starts with the command (or runs it through its `bench` helper)
     ci_lines = [line.strip().removeprefix("bench ") for line in CI_SCRIPT.read_text().splitlines()]
     not_in_ci = [c for c, how in COVERAGE.items() if how == CI and not any(line.startswith(c) for line in ci_lines)]

@@ -2,14 +2,30 @@
 
 Each subcommand lives in its own module and registers itself with `register(subparsers)`,
 setting `func` to the function that runs it and returns an exit code.
+
+Exit codes and errors (README "Faults and guarantees"):
+    0    done
+    1    an npllama error (NpllamaError, any ValueError npllama raises on bad input) or an OS
+         error (disk full, read-only, permission denied, no such file): one line on stderr,
+         "npllama COMMAND: error: ...", naming the path and the cause
+    2    a usage error (argparse)
+    130  Ctrl-C (training saves first)
+    141  stdout closed by its reader (`npllama generate | head -c 10`): the command ends
+         quietly, as a Unix tool killed by SIGPIPE does (128 + 13); training saves first
+Anything else (TypeError, AttributeError, AssertionError, ...) is a bug in npllama and keeps
+its traceback. A stdout closed before the start (`npllama train >&-`) is treated as
+/dev/null: the command runs and its files are written.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from ..errors import describe_os_error
 from . import export, generate, gradcheck, plot, train
+from .args import EXIT_PIPE_CLOSED
 
 SUBCOMMANDS = [gradcheck, train, generate, plot, export]
 
@@ -25,7 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _discard_stdout() -> None:
+    """Send what is still buffered for stdout, and all later output, to /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:          # started with stdout closed: nothing to show, the files still count
+        sys.stdout = open(os.devnull, "w")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -33,9 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        # Bad input is the user's to fix: one line naming it, not a traceback.
-        print(f"npllama {args.command}: error: {e}", file=sys.stderr)
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_PIPE_CLOSED
+    except OSError as e:
+        print(f"npllama {args.command}: error: {describe_os_error(e)}", file=sys.stderr)
+        return 1
+    except (ValueError, MemoryError) as e:
+        # Bad input is the user's to fix: one line naming it, not a traceback. (npllama's errors are
+        # all ValueErrors; a MemoryError that npllama.memory did not foresee is not a bug either.)
+        print(f"npllama {args.command}: error: {e or 'out of memory'}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"npllama {args.command}: interrupted", file=sys.stderr)

@@ -1,9 +1,11 @@
-"""Argument types shared by the subcommands: numbers checked for finiteness and range."""
+"""Shared by the subcommands: argument types (numbers checked for finiteness and range), exit codes."""
 
 from __future__ import annotations
 
 import argparse
 import math
+
+EXIT_PIPE_CLOSED = 128 + 13     # stdout's reader went away: what a shell reports for a process killed by SIGPIPE
 
 
 def number(kind, low=None, high=None, low_open=False):

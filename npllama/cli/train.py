@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from ..train.checkpoint import CHECKPOINT_NAME, load_train_state
 from ..train.config import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INTS, PRESETS, TrainConfig, parse_duration,
                             preset)
 from ..train.loop import train
-from .args import number
+from .args import EXIT_PIPE_CLOSED, number
 
 
 def _duration(text: str) -> float:
@@ -117,4 +118,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     explicit = {f.name for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     result = train(cfg, preset_name=None if cfg.resume else args.preset, explicit=explicit)
+    if result.stopped == "output_closed":
+        print(f"npllama train: output closed; stopped at step {result.steps}, saved {result.checkpoint} "
+              "(continue with --resume)", file=sys.stderr)
+        return EXIT_PIPE_CLOSED
     return 130 if result.stopped == "interrupted" else 0

@@ -11,6 +11,7 @@ float64, 1e-10 relative, on hypothesis-drawn configs):
     lora.lora_blocks                          LoRA: the block on frozen stacks plus adapters, no
                                               weight gradients (npllama.LoraLlama runs it)
     blas.blas_threads                         OpenBLAS's thread count, set for a block and restored
+    shards.pass_footprint                     rows and shards alive at once (for npllama.memory)
 
 It is built from the reference's own tables (parameter names and layer order from
 npllama.model, RoPE tables from npllama.ops.rope), and it owns every process-wide setting it
@@ -20,5 +21,6 @@ changes (BLAS threads, its thread pool), restoring each on return. A reader can 
 from .blas import blas_threads
 from .decode import DecodeCache, DecodeStep
 from .passes import forward, loss_and_grads
+from .shards import pass_footprint
 
-__all__ = ["blas_threads", "DecodeCache", "DecodeStep", "forward", "loss_and_grads"]
+__all__ = ["blas_threads", "DecodeCache", "DecodeStep", "forward", "loss_and_grads", "pass_footprint"]

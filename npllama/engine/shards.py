@@ -49,6 +49,20 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     return _EXECUTORS[workers]
 
 
+def n_shards(workers: int, batch_size: int, seq_len: int, dim: int) -> int:
+    """How many shards run_sharded cuts a batch into: at least one per worker, and more when rows
+    are large, so that a shard holds about SHARD_ACTIVATIONS."""
+    return min(batch_size, max(workers, -(-batch_size * seq_len * dim // SHARD_ACTIVATIONS)))
+
+
+def pass_footprint(batch_size: int, seq_len: int, dim: int, workers=None) -> tuple[int, int]:
+    """(rows whose activations are alive at once, shards whose gradients are held until summed) in
+    a sharded pass over batch_size rows: the figures npllama.memory's estimates need."""
+    workers = resolve_workers(workers, batch_size, seq_len, dim)
+    shards = n_shards(workers, batch_size, seq_len, dim)
+    return min(batch_size, workers * -(-batch_size // shards)), shards
+
+
 def run_sharded(fn, workers: int, dim: int, *row_arrays):
     """[fn(*shard) for contiguous shards of the arrays' rows], run on `workers` threads, in order.
 
@@ -57,8 +71,7 @@ def run_sharded(fn, workers: int, dim: int, *row_arrays):
     with BLAS as it is; with more, every shard runs with one BLAS thread (restored on return).
     """
     B, T = row_arrays[0].shape[:2]
-    n_shards = min(B, max(workers, -(-B * T * dim // SHARD_ACTIVATIONS)))
-    shards = np.array_split(np.arange(B), n_shards)
+    shards = np.array_split(np.arange(B), n_shards(workers, B, T, dim))
     if workers == 1:
         return [fn(*(a[rows] for a in row_arrays)) for rows in shards]
     with blas_threads(1):

@@ -8,11 +8,13 @@
     lora.py         LoRA checkpoints: the adapters, the base they name and its fingerprint
     pickles.py      pickle refusal: never unpickled
     atomic.py       atomic writes: a temp file, fsync, one rename
-    errors.py       the exceptions, all ValueErrors with hints
+    integrity.py    CRC-32s of the header and every tensor: recorded on writing, verified on reading
+    errors.py       the exceptions, all NpllamaErrors (ValueErrors) with hints
 """
 
 from .checkpoint import Loaded, load, read_checkpoint, save
 from .errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError
+from .integrity import ChecksumMismatchError
 
 __all__ = ["load", "save", "read_checkpoint", "Loaded", "CheckpointError", "ConfigMismatchError",
-           "PickleRefusedError", "TensorMismatchError"]
+           "PickleRefusedError", "TensorMismatchError", "ChecksumMismatchError"]

@@ -25,7 +25,10 @@ un-permuted into Meta's RoPE layout (io/hf.py). float16 and bfloat16 are upcast;
 cast to the requested dtype. Tensors that are derived data or optimizer state are skipped
 knowingly, never silently: HF `rotary_emb.inv_freq` and Meta `rope.freqs` (checked against
 rope_theta first), and the optimizer moments of a training checkpoint (io/metadata.py).
-Every file save writes goes through io/atomic.py: replaced whole or left untouched.
+Every file save writes goes through io/atomic.py: replaced whole or left untouched. Every
+safetensors file it writes records CRC-32s of its header and tensors, which load verifies
+(io/integrity.py); memory is checked against the sizes in a header before tensors are read
+(npllama.memory).
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..checks import check_dtype
+from .. import memory
 from ..config import LlamaConfig
+from ..errors import NpllamaError
 from ..llama import Llama, LoraLlama
 from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer, tokenizer_from_folder
@@ -173,19 +178,27 @@ def _match_tensors(tensors: dict, metadata: dict, cfg: LlamaConfig, dtype, *, st
     if unexpected:
         warnings.warn(f"{source}: ignoring {len(unexpected)} unexpected tensors: {unexpected}", stacklevel=3)
         notes.append(f"ignored unexpected tensors {unexpected}")
+    memory.require(sum(memory.array_bytes(renamed[n].size, dtype.itemsize) for n in expected
+                       if renamed[n].dtype != dtype), f"casting {source} to {dtype.name}", "load it as float32")
     params = {}
     for n in expected:
-        t = renamed[n]
-        if t.dtype.kind != "f":
-            raise CheckpointError(f"{source}: tensor {display(n)} has dtype {t.dtype}; weights must be floating point")
-        t = t.astype(dtype, copy=False)
-        if not np.isfinite(t).all():
-            raise CheckpointError(f"{source}: tensor {display(n)} holds NaN or infinite values; the file is corrupt "
-                                  "or the weights overflowed the requested dtype")
+        t = _checked_weight(renamed[n], dtype, display(n), source)
         if naming == "hf" and n.endswith((".attention.wq.weight", ".attention.wk.weight")):
             t = permute_hf_to_meta(t, cfg.n_heads if n.endswith("wq.weight") else cfg.n_kv_heads)
         params[n] = np.ascontiguousarray(t)
     return params, notes
+
+
+def _checked_weight(t: np.ndarray, dtype: np.dtype, name: str, source: str) -> np.ndarray:
+    """t cast to dtype; CheckpointError if it is not floating point or holds NaN or infinity
+    (every format: a corrupt file must not load and give NaN logits)."""
+    if t.dtype.kind != "f":
+        raise CheckpointError(f"{source}: tensor {name} has dtype {t.dtype}; weights must be floating point")
+    t = t.astype(dtype, copy=False)
+    if not np.isfinite(t).all():
+        raise CheckpointError(f"{source}: tensor {name} holds NaN or infinite values; the file is corrupt "
+                              "or the weights overflowed the requested dtype")
+    return t
 
 
 def _config_from_json_file(path: Path) -> tuple[LlamaConfig, bool]:
@@ -204,11 +217,11 @@ def _config_from_json_file(path: Path) -> tuple[LlamaConfig, bool]:
         raise ConfigMismatchError(f"{path}: {e}") from None
 
 
-def _read_hf_folder(folder: Path) -> tuple[dict, dict, str]:
+def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, str]:
     """(tensors, metadata, description) of model.safetensors or the shards of its index."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():  # transformers tries the single file first too
-        tensors, metadata = read_safetensors(single)
+        tensors, metadata = read_safetensors(single, verify)
         return tensors, metadata, str(single)
     if index.is_file():
         try:
@@ -225,7 +238,7 @@ def _read_hf_folder(folder: Path) -> tuple[dict, dict, str]:
             shard_path = folder / shard
             if not shard_path.is_file():
                 raise FileNotFoundError(f"{index} lists shard {shard!r}, which is not in {folder}")
-            part, meta = read_safetensors(shard_path)
+            part, meta = read_safetensors(shard_path, verify)
             metadata.update(meta)
             listed = {n for n, s in wmap.items() if s == shard}
             absent, unlisted = sorted(listed - set(part)), sorted(set(part) - listed)
@@ -241,19 +254,20 @@ def _read_hf_folder(folder: Path) -> tuple[dict, dict, str]:
                             "expected a Hugging Face LlamaForCausalLM folder")
 
 
-def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None) -> Loaded:
+def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None,
+                    verify: bool = True) -> Loaded:
     """Read any supported checkpoint into (config, Meta-named params, tokenizer, notes); see load()."""
-    loaded = _read(Path(path), check_dtype(dtype), strict)
+    loaded = _read(Path(path), check_dtype(dtype), strict, verify)
     if max_seq_len is not None:     # the one place a file's context length is overridden
         loaded = loaded._replace(config=loaded.config.replace(max_seq_len=max_seq_len))
     return loaded
 
 
-def _read(path: Path, dtype: np.dtype, strict: bool) -> Loaded:
+def _read(path: Path, dtype: np.dtype, strict: bool, verify: bool) -> Loaded:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     if path.is_dir():
-        tensors, metadata, source = _read_hf_folder(path)
+        tensors, metadata, source = _read_hf_folder(path, verify)
         cfg_file = path / "config.json"
         if cfg_file.is_file():
             cfg, hf = _config_from_json_file(cfg_file)
@@ -274,15 +288,15 @@ def _read(path: Path, dtype: np.dtype, strict: bool) -> Loaded:
         refuse_pickle_name(path)
         suffix = path.suffix.lower()
         if suffix == ".bin":
-            cfg, params = read_llama2c(path)
-            params = {n: np.ascontiguousarray(t, dtype=dtype) for n, t in params.items()}
+            cfg, params = read_llama2c(path, dtype.itemsize)
+            params = {n: np.ascontiguousarray(_checked_weight(t, dtype, n, str(path))) for n, t in params.items()}
             return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"])
         if suffix != ".safetensors":
             with open(path, "rb") as f:
                 refuse_pickle_magic(path, f.read(4))
             raise CheckpointError(f"{path}: unknown checkpoint type {suffix!r}; npllama reads .safetensors files, "
                                   "Hugging Face folders and llama2.c .bin files")
-        tensors, metadata = read_safetensors(path)
+        tensors, metadata = read_safetensors(path, verify)
         source = str(path)
         if LORA_KEY in metadata:    # LoRA adapters: the base they name, with them merged in (io/lora.py)
             adapted = read_adapted(path, tensors, metadata, lambda base, _: load(base, dtype, strict=strict))
@@ -302,16 +316,18 @@ def _read(path: Path, dtype: np.dtype, strict: bool) -> Loaded:
     return Loaded(cfg, params, tokenizer, notes)
 
 
-def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None):
+def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None, verify: bool = True):
     """Load a checkpoint into an npllama.Llama (formats: see this module's docstring).
 
     dtype: np.float32 (default) or np.float64; every tensor is cast to it.
     strict: False turns unexpected extra tensors into a warning instead of an error.
     max_seq_len: override the config's (e.g. Llama 2's 4096 makes large RoPE tables).
+    verify: check the CRC-32s npllama records in the files it writes (io/integrity.py); a damaged
+        file raises ChecksumMismatchError naming the tensor. Files without them load unverified.
     model.tokenizer is set from the metadata key "npllama_tokenizer", or a folder's tokenizer.model
     or tokenizer.json, else None.
     """
-    loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len)
+    loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len, verify=verify)
     model = Llama.from_params(loaded.config, loaded.params, dtype=dtype)
     model.tokenizer = loaded.tokenizer
     return model
@@ -331,7 +347,7 @@ def _save_dtype_name(dtype) -> str:
         except TypeError:
             name = str(dtype)
     if name not in _SAVE_DTYPES:
-        raise ValueError(f"dtype={dtype!r} cannot be saved; use float32 (default), float64, float16 or 'bfloat16'")
+        raise NpllamaError(f"dtype={dtype!r} cannot be saved; use float32 (default), float64, float16 or 'bfloat16'")
     return name
 
 
@@ -340,7 +356,7 @@ def _cast_for_save(arr: np.ndarray, name: str):
         return f32_to_bf16(arr)
     out = np.asarray(arr, dtype=name)
     if not np.isfinite(out).all():
-        raise ValueError(f"casting to {name} overflows some weights; save in float32 instead")
+        raise NpllamaError(f"casting to {name} overflows some weights; save in float32 instead")
     return out
 
 
@@ -369,7 +385,8 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
     meta = model_metadata(cfg, tokenizer)
     if format == "meta":
         if path.suffix != ".safetensors":
-            raise ValueError(f"{path}: format='meta' writes one .safetensors file; give a path ending in .safetensors")
+            raise NpllamaError(f"{path}: format='meta' writes one .safetensors file; "
+                               "give a path ending in .safetensors")
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a folder; format='meta' writes one .safetensors file")
         tensors = {n: _cast_for_save(params[n], dname) for n in cfg.param_shapes()}
@@ -400,4 +417,4 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
                                     eos_id=getattr(tokenizer, "eos_id", None))
         write_bytes_atomic(path / "config.json", (json.dumps(hf_cfg, indent=2) + "\n").encode("utf-8"))
         return path
-    raise ValueError(f"format={format!r}; use 'hf' (a transformers folder) or 'meta' (one .safetensors file)")
+    raise NpllamaError(f"format={format!r}; use 'hf' (a transformers folder) or 'meta' (one .safetensors file)")

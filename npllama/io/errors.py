@@ -1,7 +1,10 @@
-"""The errors npllama raises for files it cannot read: every one a ValueError, with a hint."""
+"""The errors npllama raises for files it cannot read: each an NpllamaError (a ValueError), with a hint."""
+
+from ..errors import NpllamaError
 
 
-class CheckpointError(ValueError):
+
+class CheckpointError(NpllamaError):
     """A checkpoint is corrupt, truncated, untrusted, or does not fit its config."""
 
 

@@ -48,7 +48,9 @@ import re
 
 import numpy as np
 
+from ..checks import check_int, check_real, is_integer
 from ..config import LlamaConfig
+from ..errors import NpllamaError
 
 # ----------------------------------------------------------------------------- names
 
@@ -105,8 +107,8 @@ def is_hf_name(name: str) -> bool:
 
 def _check_rows(w: np.ndarray, n_heads: int, what: str) -> int:
     if w.ndim != 2 or n_heads < 1 or w.shape[0] % n_heads or (w.shape[0] // n_heads) % 2:
-        raise ValueError(f"{what}: cannot split {w.shape} into {n_heads} heads of an even head_dim; "
-                         "pass n_heads for wq/q_proj and n_kv_heads for wk/k_proj")
+        raise NpllamaError(f"{what}: cannot split {w.shape} into {n_heads} heads of an even head_dim; "
+                           "pass n_heads for wq/q_proj and n_kv_heads for wk/k_proj")
     return w.shape[0] // n_heads
 
 
@@ -153,7 +155,7 @@ def meta_to_hf(params: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.
 
 # ----------------------------------------------------------------------------- config.json
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(NpllamaError):
     """A Hugging Face config.json asks for something npllama's LLaMA-2 cannot compute."""
 
 
@@ -195,11 +197,15 @@ def _rope_theta(d: dict) -> float:
                 f"config.json {key}={rp} asks for RoPE scaling ({rope_type!r}); npllama implements plain "
                 "LLaMA-2 RoPE only. Hint: use a model without rope scaling (e.g. Llama 2, TinyLlama)")
         if "rope_theta" in rp:
-            if theta is not None and float(rp["rope_theta"]) != float(theta):
+            if theta is not None and _real(f"{key}.rope_theta", rp["rope_theta"]) != _real("rope_theta", theta):
                 raise UnsupportedConfigError(
                     f"config.json rope_theta={theta} contradicts {key}.rope_theta={rp['rope_theta']}")
             theta = rp["rope_theta"]
-    return float(_HF_DEFAULTS["rope_theta"] if theta is None else theta)
+    return _real("rope_theta", _HF_DEFAULTS["rope_theta"] if theta is None else theta)
+
+
+def _real(key: str, value) -> float:
+    return check_real(f"config.json {key}", value, 0.0, low_open=True)
 
 
 def hf_config_to_llama(d: dict) -> LlamaConfig:
@@ -230,7 +236,9 @@ def hf_config_to_llama(d: dict) -> LlamaConfig:
     if kv_heads is None:
         kv_heads = heads
     head_dim = d.get("head_dim")
-    if head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
+    if head_dim is not None:
+        check_int("config.json head_dim", head_dim, 1)
+    if head_dim is not None and is_integer(hidden) and is_integer(heads) and heads > 0 \
             and head_dim * heads != hidden:
         raise UnsupportedConfigError(
             f"config.json head_dim={head_dim} but hidden_size / num_attention_heads = {hidden}/{heads}; "

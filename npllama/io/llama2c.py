@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import memory
 from ..config import LlamaConfig
+from ..errors import NpllamaError
 from .errors import CheckpointError
 from .pickles import refuse_pickle_magic
 
@@ -60,10 +62,19 @@ def llama2c_layout(cfg: LlamaConfig, version: int) -> list[tuple[str | None, tup
         for kind in mats:
             layout += per_layer(kind)
         return layout + out
-    raise ValueError(f"llama2.c version {version} has no float32 layout here (known: 0, 1)")
+    raise NpllamaError(f"llama2.c version {version} has no float32 layout here (known: 0, 1)")
 
 
-def read_llama2c(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+def llama2c_float_count(cfg: LlamaConfig, version: int) -> int:
+    """The number of float32 values after the header: sum(prod(shape)) over llama2c_layout, in
+    closed form, so a header claiming millions of layers is measured against the file at once."""
+    rope = 2 * cfg.max_seq_len * (cfg.head_dim // 2) if version == 0 else 0
+    return cfg.n_params() + rope
+
+
+def read_llama2c(path: Path, itemsize: int = 4) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """(config, Meta-named float32 arrays) of a llama2.c .bin; itemsize: bytes per element of the
+    dtype the caller will cast them to (for the memory check made before reading)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(LLAMA2C_V1_HEADER_BYTES)
@@ -92,19 +103,23 @@ def read_llama2c(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
                   vocab_size=vocab, max_seq_len=seq_len)
     try:
         if min(fields.values()) < 1 or max(fields.values()) > 1 << 24:
-            raise ValueError(f"header sizes {fields} are out of range")
+            raise NpllamaError(f"header sizes {fields} are out of range")
         # llama2.c's run.c hard-codes RMSNorm eps 1e-5 and RoPE theta 10000.
         cfg = LlamaConfig(**fields, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=shared)
     except ValueError as e:
         raise CheckpointError(f"{path}: not a usable llama2.c v{version} checkpoint: {e}") from None
-    layout = llama2c_layout(cfg, version)
-    expected = offset + 4 * sum(math.prod(s) for _, s in layout)
+    expected = offset + 4 * llama2c_float_count(cfg, version)
     if size != expected:
         what = "truncated" if size < expected else f"{size - expected} bytes too long"
         raise CheckpointError(
             f"{path}: a llama2.c v{version} checkpoint with header {fields} (shared classifier: {shared}) "
             f"is {expected} bytes, but the file has {size}: {what}. Hint: the file is damaged, or it is "
             "not a float32 llama2.c checkpoint")
+    n_floats = llama2c_float_count(cfg, version)
+    cast = memory.array_bytes(cfg.n_params(), itemsize) if itemsize != 4 else 0
+    memory.require(memory.array_bytes(n_floats, 4) + cast, f"loading {path} ({cfg.n_params():,} parameters)",
+                   "load it on a machine with more memory")
+    layout = llama2c_layout(cfg, version)
     data = np.fromfile(path, dtype="<f4", offset=offset)
     params, pos = {}, 0
     for name, shape in layout:

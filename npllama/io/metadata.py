@@ -12,6 +12,8 @@ A safetensors header carries a str -> str map beside the tensors. npllama's file
                            adapters (npllama.lora's names): JSON {"spec": the LoraSpec,
                            "base": the path of the frozen base checkpoint, "base_sha256": its
                            fingerprint (io/lora.py)}; loading merges the adapters into that base
+    "npllama_checksum"     in every file npllama writes: CRC-32s of the header and of each
+                           tensor's bytes, verified on reading (io/integrity.py)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ TOKENIZER_KEY = "npllama_tokenizer"
 TRAIN_STATE_KEY = "npllama_train_state"
 OPTIMIZER_PREFIX = "optimizer."
 LORA_KEY = "npllama_lora"
+CHECKSUM_KEY = "npllama_checksum"
 
 
 def model_metadata(config: LlamaConfig, tokenizer=None) -> dict[str, str]:

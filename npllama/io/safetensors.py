@@ -5,9 +5,11 @@
               "data_offsets": [begin, end]}, ...}, padded with spaces
     rest      the tensors' bytes, little-endian, C order; offsets count from the end of the header
 
-The header is validated against the file size before any data is trusted. Every write goes
-through write_safetensors_atomic: a temporary file in the same folder, fsync, then os.replace,
-so an existing file is either the old one or the new one, never a torn mix.
+The header is validated against the file size, and the memory the tensors will take against
+the memory available (npllama.memory), before any data is read. Every write goes through
+write_safetensors_atomic: a temporary file in the same folder, fsync, then os.replace, so an
+existing file is either the old one or the new one, never a torn mix; it records CRC-32s of
+the header and of every tensor in the metadata, which reading verifies (io/integrity.py).
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import memory
 from ..checks import is_integer
+from ..errors import NpllamaError
 from .atomic import write_atomic
 from .errors import CheckpointError
+from .integrity import Verifier, checksum_metadata
+from .metadata import CHECKSUM_KEY
 from .pickles import refuse_pickle_magic
 
 _ST_DTYPES = {
@@ -66,7 +72,7 @@ def _header_entries(path: Path, header: dict, data_len: int) -> list[tuple[str, 
             raise CheckpointError(f"{path}: header entry {name!r} is not {{dtype, shape, data_offsets}}: {info!r}; "
                                   "the file is corrupt")
         st, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if st not in _ST_DTYPES:
+        if not isinstance(st, str) or st not in _ST_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {st!r}, which npllama cannot read "
                                   f"(known: {sorted(_ST_DTYPES)})")
         if not isinstance(shape, list) or not all(is_integer(s) and s >= 0
@@ -96,12 +102,25 @@ def _header_entries(path: Path, header: dict, data_len: int) -> list[tuple[str, 
     return entries
 
 
-def read_safetensors_header(path) -> tuple[dict[str, tuple[str, tuple]], dict[str, str]]:
-    """({name: (dtype_code, shape)}, metadata) of a safetensors file, validated, without its data."""
+def _table(entries) -> dict:
+    """The header's tensor table as the file's JSON holds it (what the header checksum covers)."""
+    return {n: {"dtype": st, "shape": list(shape), "data_offsets": [b, e]} for n, st, shape, b, e in entries}
+
+
+def _verifier(path: Path, entries, metadata: dict, verify: bool) -> Verifier | None:
+    """A Verifier for a file that records checksums (checking its header now), else None."""
+    return Verifier(path, _table(entries), metadata) if verify and CHECKSUM_KEY in metadata else None
+
+
+def read_safetensors_header(path, verify: bool = True) -> tuple[dict[str, tuple[str, tuple]], dict[str, str]]:
+    """({name: (dtype_code, shape)}, metadata) of a safetensors file, validated, without its data.
+
+    verify: check the header against its recorded checksum, when the file has one."""
     path = Path(path)
     with open(path, "rb") as f:
         entries, metadata, _ = _read_header(f, path)
-    return {n: (st, shape) for n, st, shape, _, _ in entries}, metadata
+    _verifier(path, entries, metadata, verify)
+    return {n: (st, shape) for n, st, shape, _, _ in entries}, _without_checksum(metadata)
 
 
 def _read_header(f, path: Path):
@@ -131,13 +150,28 @@ def _read_header(f, path: Path):
     return _header_entries(path, header, size - data_start), metadata, data_start
 
 
-def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _without_checksum(metadata: dict) -> dict:
+    """The metadata as its writer gave it: the checksum record is verified, not handed on."""
+    return {k: v for k, v in metadata.items() if k != CHECKSUM_KEY}
+
+
+def _decoded_bytes(entries) -> int:
+    """What reading the tensors allocates: each as stored, and BF16 ones again as float32."""
+    return sum(memory.array_bytes(math.prod(shape), _ST_DTYPES[st].itemsize + (4 if st == "BF16" else 0))
+               for _, st, shape, _, _ in entries)
+
+
+def read_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Read a .safetensors file: ({name: array}, metadata).
 
-    The header (length, JSON, dtypes, shapes, offsets) is checked against the file size before
-    any data is read. BF16 tensors come back as float32 (exact: bfloat16 is a truncated float32);
-    every other dtype comes back as itself, in native byte order.
-    Raises FileNotFoundError, PickleRefusedError, or CheckpointError naming the problem.
+    The header (length, JSON, dtypes, shapes, offsets) is checked against the file size, and the
+    bytes the tensors will take against the memory available, before any data is read. BF16
+    tensors come back as float32 (exact: bfloat16 is a truncated float32); every other dtype
+    comes back as itself, in native byte order.
+    verify: check the header and every tensor against the checksums npllama recorded in the file
+    (io/integrity.py; files without them are read unverified). The metadata returned leaves out
+    that record, as it does in read_safetensors_header.
+    Raises FileNotFoundError, PickleRefusedError, MemoryLimitError, or CheckpointError naming the problem.
     """
     path = Path(path)
     if not path.is_file():
@@ -145,6 +179,8 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     tensors = {}
     with open(path, "rb") as f:
         entries, metadata, data_start = _read_header(f, path)
+        verifier = _verifier(path, entries, metadata, verify)
+        memory.require(_decoded_bytes(entries), f"reading {path}", "load it on a machine with more memory")
         for name, st, shape, begin, end in entries:
             dt = _ST_DTYPES[st]
             f.seek(data_start + begin)
@@ -152,38 +188,42 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             arr = np.fromfile(f, dtype=dt, count=count) if count else np.empty(0, dt)
             if arr.size != count:  # the file shrank under us
                 raise CheckpointError(f"{path}: tensor {name!r} is cut short; the file is truncated")
+            if verifier is not None:
+                verifier.check(name, arr)
             arr = arr.reshape(shape)
             arr = _bf16_to_f32(arr) if st == "BF16" else arr.astype(dt.newbyteorder("="), copy=False)
             tensors[name] = arr
-    return tensors, metadata
+    return tensors, _without_checksum(metadata)
 
 
 def write_safetensors_atomic(path, tensors: dict, metadata: dict | None = None) -> None:
     """Write tensors ({name: np.ndarray or Bfloat16}) as one .safetensors file, atomically.
 
     Metadata values must be strings; "format": "pt" is always written, since transformers refuses
-    safetensors files without it. Tensors are stored in the given order, little-endian, C order.
+    safetensors files without it, and so are the checksums read_safetensors verifies
+    (io/integrity.py). Tensors are stored in the given order, little-endian, C order.
     """
     metadata = dict(metadata or {})
     metadata["format"] = "pt"
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise ValueError(f"safetensors metadata must map str to str; got {k!r}: {type(v).__name__}")
+            raise NpllamaError(f"safetensors metadata must map str to str; got {k!r}: {type(v).__name__}")
     header, arrays, offset = {}, [], 0
     for name, t in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
-            raise ValueError(f"invalid tensor name {name!r}")
+            raise NpllamaError(f"invalid tensor name {name!r}")
         if isinstance(t, Bfloat16):
             arr, st = np.asarray(t.bits, dtype="<u2", order="C"), "BF16"
         else:
             t = np.asarray(t)
             st = _NP_TO_ST.get(t.dtype.newbyteorder("="))
             if st is None:
-                raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors")
+                raise NpllamaError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors")
             arr = np.asarray(t, dtype=_ST_DTYPES[st], order="C")  # (ascontiguousarray would make 0-d 1-d)
         header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
         arrays.append(arr)
         offset += arr.nbytes
+    metadata[CHECKSUM_KEY] = checksum_metadata(header, metadata, dict(zip(header, arrays)))
     header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it

@@ -35,13 +35,17 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..checks import check_int, check_real, is_integer, is_real
+from ..errors import NpllamaError
 from ..io import load
+from ..io.errors import CheckpointError
 from ..io.lora import read_adapted
 from ..io.metadata import (LORA_KEY, OPTIMIZER_PREFIX, TRAIN_STATE_KEY, config_from_metadata, lora_metadata,
                            model_metadata, tokenizer_from_metadata)
 from ..io.safetensors import read_safetensors, read_safetensors_header, write_safetensors_atomic
 from ..llama import Llama, LoraLlama
 from ..optim import AdamW
+from .config import TrainConfig
 
 CHECKPOINT_NAME = "ckpt.safetensors"
 FORMAT_VERSION = 1
@@ -65,10 +69,10 @@ def save_train_checkpoint(path, model: Llama, tokenizer, optimizer: AdamW, state
     """
     path = Path(path)
     if path.suffix != ".safetensors":
-        raise ValueError(f"training checkpoint {path} must end in .safetensors")
+        raise NpllamaError(f"training checkpoint {path} must end in .safetensors")
     if optimizer.params is not model.params:
-        raise ValueError("the optimizer does not update this model's parameters; "
-                         "build it as AdamW(model.params, ...)")
+        raise NpllamaError("the optimizer does not update this model's parameters; "
+                           "build it as AdamW(model.params, ...)")
     sd = optimizer.state_dict()
     tensors = dict(model.params)
     for kind in _MOMENTS:
@@ -87,20 +91,50 @@ def save_train_checkpoint(path, model: Llama, tokenizer, optimizer: AdamW, state
 
 def _parse_state(path: Path, metadata: dict) -> dict:
     if TRAIN_STATE_KEY not in metadata:
-        raise ValueError(f"{path} holds model weights but no training state ({TRAIN_STATE_KEY!r}); "
-                         "it cannot be resumed (it can still be loaded with npllama.load)")
+        raise NpllamaError(f"{path} holds model weights but no training state ({TRAIN_STATE_KEY!r}); "
+                           "it cannot be resumed (it can still be loaded with npllama.load)")
     try:
         state = json.loads(metadata[TRAIN_STATE_KEY])
     except ValueError as e:
-        raise ValueError(f"{path}: the training state is not valid JSON ({e}); the file is damaged") from None
+        raise NpllamaError(f"{path}: the training state is not valid JSON ({e}); the file is damaged") from None
     if not isinstance(state, dict) or state.get("version") != FORMAT_VERSION:
         version = state.get("version") if isinstance(state, dict) else None
-        raise ValueError(f"{path}: training state version {version!r} is not {FORMAT_VERSION}; "
-                         "this npllama cannot resume it")
+        raise NpllamaError(f"{path}: training state version {version!r} is not {FORMAT_VERSION}; "
+                           "this npllama cannot resume it")
     missing = [k for k in ("step", "rng", "optimizer", "train_config") if k not in state]
     if missing:
-        raise ValueError(f"{path}: the training state lacks {missing}")
+        raise NpllamaError(f"{path}: the training state lacks {missing}")
+    try:
+        _check_state_fields(state)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: the training state is unusable: {e}; the file is damaged "
+                              "or was not written by npllama train") from None
     return state
+
+
+def _check_state_fields(state: dict) -> None:
+    """Every field a resume reads, of the type it needs (JSON may hold anything): NpllamaError
+    naming the first one that is not."""
+    check_int("step", state["step"], 0)
+    for key in ("rng", "optimizer", "train_config"):
+        if not isinstance(state[key], dict):
+            raise NpllamaError(f"{key}={state[key]!r} must be a JSON object")
+    rng_from_state(state["rng"])
+    try:
+        TrainConfig.from_dict(state["train_config"]).validate()
+    except ValueError as e:
+        raise NpllamaError(f"train_config: {e}") from None
+    check_real("elapsed", state.get("elapsed", 0.0), 0.0)
+    check_int("tokens", state.get("tokens", 0), 0)
+    for key in ("val_loss", "best_loss"):
+        if state.get(key) is not None:
+            check_real(key, state[key])
+    history = state.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 and is_integer(h[0])
+                                                and is_real(h[1]) for h in history):
+        raise NpllamaError(f"history={str(history)[:80]} must be a list of [step, val_loss] pairs")
+    if not isinstance(state.get("text_sha256", ""), str):
+        raise NpllamaError(f"text_sha256={state['text_sha256']!r} must be a string")
 
 
 def _require_file(path: Path) -> None:
@@ -116,8 +150,16 @@ def load_train_state(path) -> dict:
     return _parse_state(path, read_safetensors_header(path)[1])
 
 
+def load_model_config(path):
+    """The LlamaConfig of a training checkpoint, from its header alone (for the memory check of a resume)."""
+    path = Path(path)
+    _require_file(path)
+    return config_from_metadata(read_safetensors_header(path)[1], str(path))
+
+
 def load_train_checkpoint(path) -> TrainCheckpoint:
-    """Read a file save_train_checkpoint wrote; every missing piece is a ValueError that names it.
+    """Read a file save_train_checkpoint wrote; every missing or damaged piece is an NpllamaError
+    that names it (the CRC-32s of io/integrity.py are verified, NaN and infinity refused).
 
     The model keeps the saved dtype (no cast), so a resumed run continues bit for bit.
     """
@@ -127,6 +169,9 @@ def load_train_checkpoint(path) -> TrainCheckpoint:
     state = _parse_state(path, metadata)
     config = config_from_metadata(metadata, str(path))
     tokenizer = tokenizer_from_metadata(metadata, str(path))
+    for name, t in tensors.items():       # a run is never saved diverged (train/loop.py)
+        if t.dtype.kind == "f" and not np.isfinite(t).all():
+            raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; the file is damaged")
     if LORA_KEY in metadata:                       # the base it names, checked, with these adapters
         model = read_adapted(path, tensors, metadata, lambda base, dtype: load(base, dtype))
     else:
@@ -153,7 +198,10 @@ def rng_from_state(state: dict) -> np.random.Generator:
     bit_generator_cls = getattr(np.random, str(name), None)
     if bit_generator_cls is None or not isinstance(bit_generator_cls, type) \
             or not issubclass(bit_generator_cls, np.random.BitGenerator):
-        raise ValueError(f"unknown random bit generator {name!r} in the training state")
+        raise NpllamaError(f"the training state's rng names an unknown random bit generator {name!r}")
     bit_generator = bit_generator_cls()
-    bit_generator.state = state
+    try:
+        bit_generator.state = state
+    except (TypeError, ValueError, KeyError) as e:
+        raise NpllamaError(f"the training state's rng (random generator state) is unusable ({e})") from None
     return np.random.Generator(bit_generator)

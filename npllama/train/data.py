@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from ..checks import check_int, check_real
+from ..errors import NpllamaError
 from ..io.atomic import write_atomic
 from ..tokenizers import CharTokenizer, train_sentencepiece
 from .config import TrainConfig
@@ -43,7 +44,7 @@ CACHE_VAR = "NPLLAMA_CACHE"           # cache folder; default ~/.cache/npllama
 _CHUNK = 1 << 16
 
 
-class ChecksumError(ValueError):
+class ChecksumError(NpllamaError):
     """A file's sha256 is not the one expected: a corrupt or different file."""
 
 

@@ -18,12 +18,19 @@ np.random.Generator seeded from (seed, 1) whose state is saved in the checkpoint
 `--resume` draws exactly the batches the uninterrupted run would have drawn; evals and
 samples use their own generators and never disturb it. N steps + resume + N steps gives
 the same parameters, bit for bit, as 2N steps straight.
+
+Faults (README "Faults and guarantees"): the run holds OUT_DIR's lock (train/lock.py) from
+start to end and removes the temporary files a killed run left there; it refuses, before
+allocating, a model and batch that cannot fit in memory (npllama.memory); it stops at the
+first sign of divergence (train/divergence.py) with the last healthy checkpoint kept; a write
+that fails (disk full, read-only) stops it with the last checkpoint intact; and when its
+output goes away (`npllama train | head`) it stops and saves as on Ctrl-C.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import signal
 import sys
 import time
@@ -33,15 +40,22 @@ from typing import TextIO
 
 import numpy as np
 
+from .. import engine, memory
+from ..config import LlamaConfig
+from ..errors import NpllamaError, describe_os_error
 from ..io import save
+from ..io.atomic import stale_temp_files
 from ..llama import Llama
 from ..ops import cross_entropy_forward
 from ..optim import AdamW, clip_grad_norm, lr_at
-from .checkpoint import CHECKPOINT_NAME, load_train_checkpoint, rng_from_state, rng_state, save_train_checkpoint
+from .chart import loss_chart
+from .checkpoint import (CHECKPOINT_NAME, load_model_config, load_train_checkpoint, rng_from_state, rng_state,
+                         save_train_checkpoint)
 from .config import TrainConfig, check_resume, export_format
 from .data import Corpus, get_batch, prepare_data
-from .chart import loss_chart
+from .divergence import DivergenceWatch
 from .finetune import describe_init, init_architecture, init_model
+from .lock import RunLock
 from .metrics import METRICS_NAME, PLOT_NAME, MetricsLog, format_duration, plot_metrics, read_metrics
 
 
@@ -102,7 +116,7 @@ def full_val_loss(model: Llama, ids: np.ndarray, seq_len: int, batch_size: int) 
     """
     n_windows = (len(ids) - 1) // seq_len
     if n_windows < 1:
-        raise ValueError(f"{len(ids)} tokens hold no full window of seq_len={seq_len}")
+        raise NpllamaError(f"{len(ids)} tokens hold no full window of seq_len={seq_len}")
     x_all = ids[:n_windows * seq_len].reshape(n_windows, seq_len)
     y_all = ids[1:n_windows * seq_len + 1].reshape(n_windows, seq_len)
     total = 0.0
@@ -124,10 +138,20 @@ def sample_text(model: Llama, tokenizer, n_tokens: int, seed: int, prompt: str =
 
 
 
+def parameter_norm(params: dict) -> float:
+    """The L2 norm of all parameters together (inf when it overflows: a blown-up model)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return math.sqrt(sum(float(np.vdot(p, p)) for p in params.values()))
+
+
 # ---- the run --------------------------------------------------------------------------------------
 
-class TrainingDiverged(ValueError):
-    """The loss or the gradient norm became NaN or infinite."""
+class TrainingDiverged(NpllamaError):
+    """The loss or the gradient norm stopped being finite, or a loss rose far above its best."""
+
+
+class RunWriteError(NpllamaError):
+    """A checkpoint or metrics.jsonl could not be written (disk full, read-only, permission denied)."""
 
 
 @dataclass
@@ -137,31 +161,49 @@ class TrainResult:
     checkpoint: Path | None         # the last checkpoint written
     metrics: Path
     plot: Path | None
-    stopped: str                    # "max_steps", "time_budget", "interrupted"
+    stopped: str                    # "max_steps", "time_budget", "interrupted", "output_closed"
     elapsed: float                  # seconds of this run
     full_val_loss: float            # over every validation token (full_val_loss)
     history: list = field(default_factory=list)   # (step, val_loss) of every eval
 
 
 class Console:
-    """Where a run reports: log lines, and on a terminal one live progress line rewritten in place."""
+    """Where a run reports: log lines, and on a terminal one live progress line rewritten in place.
+
+    When the reader goes away (`npllama train | head`), `closed` becomes True, later output is
+    dropped, and the loop stops and saves as on Ctrl-C.
+    """
 
     def __init__(self, out: TextIO):
         self.out = out
         self.is_tty = hasattr(out, "isatty") and out.isatty()
         self._live = False
+        self.closed = False
+
+    def _write(self, text: str) -> None:
+        if self.closed:
+            return
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except BrokenPipeError:
+            self.closed = True
+            try:    # point the descriptor at /dev/null, so the buffered rest fails nowhere at exit
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, self.out.fileno())
+                os.close(devnull)
+            except (AttributeError, OSError, ValueError):
+                pass
 
     def log(self, msg: str = "") -> None:
         if self._live:
-            self.out.write("\n")
+            self._write("\n")
             self._live = False
-        self.out.write(msg + "\n")
-        self.out.flush()
+        self._write(msg + "\n")
 
     def progress(self, line: str, step: int, log_interval: int) -> None:
         if self.is_tty:
-            self.out.write("\r" + line + "\033[K")
-            self.out.flush()
+            self._write("\r" + line + "\033[K")
             self._live = True
         elif step % log_interval == 0:
             self.log(line)
@@ -181,6 +223,7 @@ class Run:
     val_loss: float | None = None   # the last validation estimate
     history: list = field(default_factory=list)   # (step, val_loss) of every eval
     saved_step: int | None = None   # the step of the last checkpoint written
+    best_loss: float | None = None  # the divergence watch's best smoothed training loss
 
     @property
     def ckpt_path(self) -> Path:
@@ -192,18 +235,31 @@ class Run:
                      weight_decay=cfg.weight_decay)
 
 
+def require_memory(cfg: TrainConfig, model_config: LlamaConfig) -> None:
+    """Refuse, before allocating, a run whose model, optimizer and batch cannot fit (npllama.memory)."""
+    rows, shards = engine.pass_footprint(cfg.batch_size, cfg.seq_len, model_config.dim)
+    itemsize = np.dtype(cfg.dtype).itemsize
+    memory.require(memory.training_bytes(model_config, cfg.batch_size, rows, cfg.seq_len, itemsize, shards),
+                   f"training {model_config.n_params():,} parameters ({cfg.dtype}) on batches of "
+                   f"{cfg.batch_size} x {cfg.seq_len} tokens",
+                   "choose a smaller --dim, --n-layers, --vocab-size, --batch-size or --seq-len")
+
+
 def new_run(cfg: TrainConfig, log, explicit=()) -> Run:
     """A fresh model of the config's shape (or the --init model: train/finetune.py), on the text's
     tokens, with the batch generator at (seed, 1). explicit: the fields the user set (init_model)."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
     if ckpt_path.exists():
-        raise ValueError(f"{ckpt_path} already exists; add --resume to continue that run, or choose another "
-                         "--out-dir (or delete the folder) to start a new one")
+        raise NpllamaError(f"{ckpt_path} already exists; add --resume to continue that run, or choose another "
+                           "--out-dir (or delete the folder) to start a new one")
     if cfg.init:
         model, cfg = init_model(cfg, explicit)
+        require_memory(cfg, model.config)
         corpus = prepare_data(cfg, tokenizer=model.tokenizer, log=log)
     else:
+        require_memory(cfg, cfg.model_config(max(1, cfg.vocab_size)))   # before the data: a bound from below
         corpus = prepare_data(cfg, log=log)
+        require_memory(cfg, cfg.model_config(corpus.tokenizer.vocab_size))
         model = Llama(cfg.model_config(corpus.tokenizer.vocab_size), seed=cfg.seed, dtype=np.dtype(cfg.dtype))
         model.tokenizer = corpus.tokenizer
     run = Run(cfg, model, None, corpus, np.random.default_rng([cfg.seed, 1]), start_step=0)
@@ -214,22 +270,23 @@ def new_run(cfg: TrainConfig, log, explicit=()) -> Run:
 def resume_run(cfg: TrainConfig, log, explicit=()) -> Run:
     """The run saved in OUT_DIR/ckpt.safetensors, exactly where it stopped, with cfg's non-structural values."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
+    require_memory(cfg, load_model_config(ckpt_path))
     ck = load_train_checkpoint(ckpt_path)
     saved = TrainConfig.from_dict(ck.state["train_config"])
     cfg = init_architecture(saved, cfg, explicit)
     check_resume(saved, cfg, ckpt_path)
     model = ck.model
     if model.dtype != np.dtype(cfg.dtype):
-        raise ValueError(f"{ckpt_path} holds {model.dtype} parameters but --dtype is {cfg.dtype}")
+        raise NpllamaError(f"{ckpt_path} holds {model.dtype} parameters but --dtype is {cfg.dtype}")
     corpus = prepare_data(cfg, tokenizer=ck.tokenizer, log=log)
     if corpus.text_sha256 != ck.state.get("text_sha256"):
-        raise ValueError(f"the training text {corpus.text_path} is not the one {ckpt_path} was trained on "
-                         "(sha256 differs); resume with the same --data")
+        raise NpllamaError(f"the training text {corpus.text_path} is not the one {ckpt_path} was trained on "
+                           "(sha256 differs); resume with the same --data")
     step = int(ck.state["step"])
     run = Run(cfg, model, None, corpus, rng_from_state(ck.state["rng"]), start_step=step,
               elapsed_before=float(ck.state.get("elapsed", 0.0)), tokens=int(ck.state.get("tokens", 0)),
               val_loss=ck.state.get("val_loss"), history=[tuple(h) for h in ck.state.get("history", [])],
-              saved_step=step)
+              saved_step=step, best_loss=ck.state.get("best_loss"))
     run.optimizer = run.new_optimizer()
     run.optimizer.load_state_dict(ck.optimizer_state)
     # hyper-parameters given now win over the saved ones (the same values when nothing changed)
@@ -334,13 +391,44 @@ class Loop:
         self.recent_losses: list[float] = []
         self.step_time_ema = None
         self.train_time = 0.0
+        cfg = run.cfg
+        self.watch = DivergenceWatch(run.model.config.vocab_size, cfg.batch_size * cfg.seq_len * cfg.grad_accum,
+                                     run.best_loss, min((v for _, v in run.history), default=None))
+        self.param_norm = parameter_norm(run.model.params)
+
+    def _kept(self) -> str:
+        run = self.run
+        return (f"the last good checkpoint, {run.ckpt_path} (step {run.saved_step}), is kept"
+                if run.saved_step is not None else "no checkpoint had been written yet")
+
+    def diverged(self, step: int, what: str) -> TrainingDiverged:
+        return TrainingDiverged(
+            f"step {step}: {what}; training stopped and {self._kept()}. Hint: a lower --lr "
+            f"(now {self.run.cfg.lr:g}), a longer --warmup-steps or --grad-clip 1.0 usually help; "
+            "--resume continues from the checkpoint with the new values")
+
+    def write_failed(self, step: int, error: OSError) -> RunWriteError:
+        return RunWriteError(f"step {step}: {describe_os_error(error)}; training stopped and {self._kept()} "
+                             "(resume with --resume once the cause is fixed)")
+
+    def log_metrics(self, **record) -> None:
+        try:
+            self.metrics.write(**record)
+        except OSError as e:
+            raise self.write_failed(record["step"], e) from e
 
     def checkpoint(self, step: int) -> None:
         run = self.run
+        if not all(np.isfinite(p).all() for p in run.model.params.values()):
+            raise self.diverged(step, "the parameters hold NaN or infinite values")
         state = {"step": step, "rng": rng_state(run.data_rng), "train_config": run.cfg.to_dict(),
                  "elapsed": run.elapsed_before + (time.perf_counter() - self.run_start), "tokens": run.tokens,
-                 "val_loss": run.val_loss, "history": run.history, "text_sha256": run.corpus.text_sha256}
-        save_train_checkpoint(run.ckpt_path, run.model, run.model.tokenizer, run.optimizer, state)
+                 "val_loss": run.val_loss, "history": run.history, "text_sha256": run.corpus.text_sha256,
+                 "best_loss": self.watch.best}
+        try:
+            save_train_checkpoint(run.ckpt_path, run.model, run.model.tokenizer, run.optimizer, state)
+        except OSError as e:
+            raise self.write_failed(step, e) from e
         run.saved_step = step
 
     def evaluate(self, step: int) -> None:
@@ -350,10 +438,13 @@ class Loop:
                                      [cfg.seed, 2])
         recent = [r for r in self.recent_losses if math.isfinite(r)]
         train_loss = float(np.mean(recent)) if recent else None
-        run.history.append((step, run.val_loss))
-        self.metrics.write(kind="eval", step=step, val_loss=run.val_loss, train_loss=train_loss)
+        self.log_metrics(kind="eval", step=step, val_loss=run.val_loss, train_loss=train_loss)
         shown = f", train loss {train_loss:.4f} (mean of the last {len(recent)} steps)" if recent else ""
         log(f"step {step}: val loss {run.val_loss:.4f}{shown}  [{time.perf_counter() - t0:.1f}s]")
+        broken = self.watch.val_loss(run.val_loss)
+        if broken:
+            raise self.diverged(step, broken)
+        run.history.append((step, run.val_loss))
         self.recent_losses.clear()
         if cfg.sample_tokens:
             text = sample_text(run.model, run.model.tokenizer, cfg.sample_tokens, seed=cfg.seed + step)
@@ -367,14 +458,11 @@ class Loop:
         batches = [get_batch(run.corpus.train_ids, cfg.batch_size, cfg.seq_len, run.data_rng)
                    for _ in range(cfg.grad_accum)]
         loss, norm = train_step(run.model, run.optimizer, batches, lr, cfg.grad_clip)
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm}"
-            where = (f"the last good checkpoint, {run.ckpt_path} (step {run.saved_step}), is kept"
-                     if run.saved_step is not None else "no checkpoint had been written yet")
-            raise TrainingDiverged(
-                f"step {step + 1}: {what}; training stopped and {where}. Hint: a lower --lr "
-                f"(now {cfg.lr:g}), a longer --warmup-steps or --grad-clip 1.0 usually help; "
-                "--resume continues from the checkpoint with the new values")
+        broken = f"the gradient norm is {norm}" if not math.isfinite(norm) and math.isfinite(loss) else None
+        before, self.param_norm = self.param_norm, parameter_norm(run.model.params)
+        broken = broken or self.watch.train_loss(step + 1, loss) or self.watch.param_norm(before, self.param_norm)
+        if broken:
+            raise self.diverged(step + 1, broken)
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
         run.tokens += tokens_per_step
         dt = time.perf_counter() - t0
@@ -383,7 +471,7 @@ class Loop:
         self.recent_losses.append(loss)
         tok_s = tokens_per_step / self.step_time_ema
         elapsed = time.perf_counter() - self.run_start
-        self.metrics.write(kind="train", step=step + 1, loss=loss, lr=lr, grad_norm=norm, tok_per_s=tok_s,
+        self.log_metrics(kind="train", step=step + 1, loss=loss, lr=lr, grad_norm=norm, tok_per_s=tok_s,
                            elapsed=round(elapsed, 3))
         eta = (cfg.max_steps - step - 1) * self.step_time_ema
         if cfg.time_budget:
@@ -394,7 +482,8 @@ class Loop:
     def run_until_done(self) -> tuple[int, str]:
         """Train until max_steps, the time budget or Ctrl-C; evaluate and checkpoint on the way.
 
-        Returns the step reached and why it stopped ("max_steps", "time_budget", "interrupted").
+        Returns the step reached and why it stopped ("max_steps", "time_budget", "interrupted",
+        "output_closed": the reader of the console went away).
         """
         run, cfg = self.run, self.run.cfg
         step, stopped = run.start_step, "max_steps"
@@ -410,14 +499,14 @@ class Loop:
                 if cfg.time_budget and time.perf_counter() - self.run_start >= cfg.time_budget:
                     stopped = "time_budget"
                     break
-                if stop.requested:
-                    stopped = "interrupted"
+                if stop.requested or self.console.closed:
+                    stopped = "interrupted" if stop.requested else "output_closed"
                     break
                 self.train_one_step(step)
                 step += 1
             if stopped != "max_steps" and run.saved_step != step:
-                self.console.log(f"stopping at step {step} "
-                                 f"({'time budget reached' if stopped == 'time_budget' else 'Ctrl-C'})")
+                why = {"time_budget": "time budget reached", "interrupted": "Ctrl-C"}.get(stopped, "output closed")
+                self.console.log(f"stopping at step {step} ({why})")
                 self.evaluate(step)
                 self.checkpoint(step)
         return step, stopped
@@ -430,10 +519,14 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
         save(run.model, cfg.export, format=export_format(cfg.export))     # LoRA: merged
     # the deterministic figure to quote: every validation token once, in windows of seq_len
     final_val = full_val_loss(run.model, run.corpus.val_ids, cfg.seq_len, cfg.batch_size)
-    with open(loop.metrics.path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"kind": "final", "step": step, "full_val_loss": final_val}) + "\n")
+    loop.log_metrics(kind="final", step=step, full_val_loss=final_val)
     elapsed = time.perf_counter() - loop.run_start
-    png = plot_metrics(loop.metrics.path, out_dir / PLOT_NAME)
+    try:
+        png = plot_metrics(loop.metrics.path, out_dir / PLOT_NAME)
+    except OSError as e:            # the run is saved; a picture that cannot be written is no failure
+        png, unwritten = None, describe_os_error(e)
+    else:
+        unwritten = None
     log(loss_chart(*read_metrics(loop.metrics.path)))
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     shown_val = "?" if run.val_loss is None else f"{run.val_loss:.4f}"
@@ -446,9 +539,11 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
     log(f"  metrics     {loop.metrics.path}")
     if png is not None:
         log(f"  loss curve  {png}")
+    elif unwritten:
+        log(f"  loss curve  not written: {unwritten}")
     else:
-        log(f"  loss curve  the chart above; {PLOT_NAME} not drawn: matplotlib is not installed (pip install "
-            f"'npllama[plot]' or pip install matplotlib), then: npllama plot {out_dir}")
+        log(f"  loss curve  the chart above; {PLOT_NAME} not drawn: matplotlib is not installed "
+            f"(pip install matplotlib), then: npllama plot {out_dir}")
     return TrainResult(step, run.val_loss, run.ckpt_path if run.saved_step is not None else None, loop.metrics.path,
                        png, stopped, elapsed, final_val, run.history)
 
@@ -459,21 +554,37 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
 
     explicit: the fields the user set (npllama train's flags): with --init, those that fix the
     architecture must agree with the checkpoint (train/finetune.py); the others follow it.
-    Raises ValueError for unusable settings, FileNotFoundError for missing data or checkpoint,
-    and TrainingDiverged when the loss stops being finite (the last checkpoint is kept).
+    Raises NpllamaError (a ValueError) for unusable settings, MemoryLimitError for a run that
+    cannot fit, RunLockedError when another run holds the --out-dir, FileNotFoundError for
+    missing data or checkpoint, TrainingDiverged when the loss stops being finite or rises far
+    above its best, RunWriteError when a file cannot be written (the last checkpoint is kept
+    in both), and an OSError naming the path when the --out-dir cannot be made or read.
     """
     console = Console(out or sys.stdout)
     cfg.validate()
     run_start = time.perf_counter()
-    run = resume_run(cfg, console.log, explicit) if cfg.resume else new_run(cfg, console.log, explicit)
-    run.model.gradient_checkpointing = cfg.gradient_checkpointing
-    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-    plan(run, run_start, console.log)
-    log_header(run, preset_name, console.log)
-    metrics = MetricsLog(Path(cfg.out_dir) / METRICS_NAME, run.start_step if cfg.resume else None)
-    loop = Loop(run, console, metrics, run_start)
-    try:
-        step, stopped = loop.run_until_done()
-    finally:
-        metrics.close()
-    return finish(run, loop, step, stopped, console.log)
+    with RunLock(cfg.out_dir) as lock:
+        if lock.stale_note():
+            console.log(lock.stale_note())
+        remove_stale_temp_files(Path(cfg.out_dir), console.log)
+        run = resume_run(cfg, console.log, explicit) if cfg.resume else new_run(cfg, console.log, explicit)
+        run.model.gradient_checkpointing = cfg.gradient_checkpointing
+        plan(run, run_start, console.log)
+        log_header(run, preset_name, console.log)
+        metrics = MetricsLog(Path(cfg.out_dir) / METRICS_NAME, run.start_step if cfg.resume else None)
+        try:
+            loop = Loop(run, console, metrics, run_start)
+            step, stopped = loop.run_until_done()
+            return finish(run, loop, step, stopped, console.log)
+        finally:
+            metrics.close()
+
+
+def remove_stale_temp_files(out_dir: Path, log) -> None:
+    """Delete the temporary files a killed run left in out_dir (only ever called under its lock)."""
+    stale = [p for name in (CHECKPOINT_NAME, METRICS_NAME) for p in stale_temp_files(out_dir / name)]
+    if stale:
+        size = sum(p.stat().st_size for p in stale)
+        for p in stale:
+            p.unlink()
+        log(f"removed {len(stale)} temporary file(s) ({size / 1e6:.1f} MB) left by a run killed while writing")

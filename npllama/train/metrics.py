@@ -13,6 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import with_path
+from ..io.atomic import write_bytes_atomic
+
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 
@@ -27,33 +30,53 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON object per line, flushed as written (a killed run keeps its log).
+    """metrics.jsonl: one JSON object per line, written whole (a killed run keeps its log, and a
+    write that fails, on a full disk say, is cut back off so the file stays valid JSON Lines).
 
     {"kind": "train", "step", "loss", "lr", "grad_norm", "tok_per_s", "elapsed"} per step and
     {"kind": "eval", "step", "val_loss", "train_loss"} per evaluation, and at the end of a run
     {"kind": "final", "step", "full_val_loss"}; "step" counts optimizer steps completed. On
-    resume, lines past the resumed step (written after that checkpoint by the interrupted run)
-    and the earlier run's "final" line are dropped, so the log reads as one run.
+    resume, lines past the resumed step (written after that checkpoint by the interrupted run),
+    the earlier run's "final" line and any line that is not JSON are dropped, so the log reads
+    as one run.
     """
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         if resume_step is not None and path.is_file():
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            kept = [json.dumps(r) for r in records if r.get("kind") != "final" and r.get("step", 0) <= resume_step]
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
+            records = [r for r in map(_record, path.read_text(errors="replace").splitlines()) if r is not None]
+            kept = [json.dumps(r) for r in records if r.get("kind") != "final" and _step(r) <= resume_step]
+            write_bytes_atomic(path, "".join(line + "\n" for line in kept).encode("utf-8"))
         elif path.exists():
             path.unlink()
-        self._f = open(path, "a", encoding="utf-8")
+        self._f = open(path, "ab", buffering=0)
 
     def write(self, **record) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        end = self._f.seek(0, os.SEEK_END)
+        try:
+            view = memoryview(line)
+            while view:                                 # an unbuffered write may be partial
+                view = view[self._f.write(view):]
+        except BaseException as e:
+            os.ftruncate(self._f.fileno(), end)         # no half line: the file stays valid JSON Lines
+            raise with_path(e, self.path) if isinstance(e, OSError) else e
 
     def close(self) -> None:
         self._f.close()
+
+
+def _record(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _step(record: dict) -> float:
+    step = record.get("step", 0)
+    return step if isinstance(step, (int, float)) else float("inf")
 
 
 def read_metrics(path) -> tuple[list[dict], list[dict]]:

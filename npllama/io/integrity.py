@@ -1,0 +1,90 @@
+"""Checksums for safetensors files: npllama records them when it writes and verifies them when it reads.
+
+safetensors has no checksum of its own, so a flipped bit in the data loads silently and a
+flipped optimizer moment would be resumed. Every file npllama writes (training checkpoints,
+save(format="meta"), the model.safetensors of save(format="hf")) carries, under the metadata
+key CHECKSUM_KEY (io/metadata.py):
+
+    {"algorithm": "crc32",
+     "header": crc of the header's canonical JSON (sorted keys, compact) without this key,
+     "tensors": {name: crc of the tensor's bytes as stored, ...}}
+
+so a flip in the config, the training state or the tensor table is caught as well as one in
+any tensor, and the error names the tensor. Files without the key (older npllama, other
+tools) load as before, unverified.
+
+Why CRC-32: it detects every burst of up to 32 flipped bits and any other random damage
+with probability 1 - 2^-32, which is what it is for; a cryptographic hash would add nothing
+against deliberate tampering, since the checksum sits in the same file. zlib.crc32 ran at
+~4 GB/s on the 2-core machine of README "Faults and guarantees", sha256 at ~1.1 GB/s.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import numpy as np
+
+from .errors import CheckpointError
+from .metadata import CHECKSUM_KEY
+
+ALGORITHM = "crc32"
+
+
+class ChecksumMismatchError(CheckpointError):
+    """A file's bytes differ from the checksum recorded when it was written: it is damaged."""
+
+
+def _crc(data) -> str:
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def _raw(arr: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy."""
+    return memoryview(arr.reshape(-1)).cast("B") if arr.size else memoryview(b"")
+
+
+def header_checksum(table: dict, metadata: dict) -> str:
+    """CRC of the header as JSON with sorted keys, without CHECKSUM_KEY: the same for the writer,
+    which builds it, and the reader, which parsed it (table: {name: {dtype, shape, data_offsets}})."""
+    header = dict(table, __metadata__={k: v for k, v in metadata.items() if k != CHECKSUM_KEY})
+    return _crc(json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
+def checksum_metadata(table: dict, metadata: dict, arrays: dict[str, np.ndarray]) -> str:
+    """The JSON to store under CHECKSUM_KEY for a file with this header table, metadata and
+    tensors (arrays: {name: the C-contiguous array whose bytes are written})."""
+    return json.dumps({"algorithm": ALGORITHM, "header": header_checksum(table, metadata),
+                       "tensors": {name: _crc(_raw(arr)) for name, arr in arrays.items()}}, sort_keys=True)
+
+
+class Verifier:
+    """Checks a file against its recorded checksums: the header at once, each tensor as it is read."""
+
+    def __init__(self, path, table: dict, metadata: dict):
+        self.path = path
+        try:
+            record = json.loads(metadata[CHECKSUM_KEY])
+            header, self.tensors = record["header"], record["tensors"]
+            ok = record["algorithm"] == ALGORITHM and isinstance(header, str) and isinstance(self.tensors, dict)
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise ChecksumMismatchError(f"{path}: the checksum record {CHECKSUM_KEY!r} is unreadable; "
+                                        "the file is damaged")
+        if header != header_checksum(table, metadata):
+            raise ChecksumMismatchError(f"{path}: the header (tensor table or metadata) does not match its "
+                                        f"recorded {ALGORITHM} checksum; the file is damaged. {_HINT}")
+
+    def check(self, name: str, stored: np.ndarray) -> None:
+        """stored: the tensor exactly as read from the file, before any conversion."""
+        want = self.tensors.get(name)
+        got = _crc(_raw(stored))
+        if want != got:
+            raise ChecksumMismatchError(f"{self.path}: tensor {name!r} does not match its recorded {ALGORITHM} "
+                                        f"checksum (recorded {want}, read {got}); the file is damaged. {_HINT}")
+
+
+_HINT = ("Restore it from a copy or write it again; npllama.load(path, verify=False) reads it anyway, "
+         "at your own risk")

@@ -1,0 +1,177 @@
+"""Memory: what an allocation will take, worked out from sizes before it is made, and what is free.
+
+Every number a user or a file supplies that sizes an array (dim, n_layers, vocab_size,
+max_seq_len, batch, a llama2.c or safetensors header) goes through an estimate here first, and
+`require` refuses what cannot fit with "needs X GiB, Y GiB available" before anything is
+allocated: a typo such as --dim 65536 or a flipped bit in a header is an error in microseconds,
+not a MemoryError, a swapping machine or the kernel's OOM killer minutes later.
+
+The estimates, in bytes (itemsize: bytes per element of the dtype the arrays are kept in):
+
+    model_bytes        the parameters (LlamaConfig.n_params, a closed form) and the RoPE tables
+    rope_bytes         cos and sin, (max_seq_len, Dh/2) each
+    kv_cache_bytes     keys (L, B, KVH, Dh, S) and values with a ones column (L, B, KVH, S, Dh + 1)
+    activation_bytes   the caches a forward of `rows` windows keeps for the backward, and one
+                       layer's temporaries
+    pass_bytes         Llama.forward / loss_and_grads on a batch: the activations of the rows
+                       processed at once (npllama.engine.pass_footprint), the engine's stacked
+                       weights, the shards' gradients until summed, the logits
+    training_bytes     a run: the model, both AdamW moments and its scratch, and one step
+(tests/test_memory.py holds pass_bytes and training_bytes against tracemalloc's peaks.)
+
+What is free (`available_bytes`): /proc/meminfo's MemAvailable, lowered to the cgroup's limit
+minus its usage when the process runs under one (cgroup v2 memory.max, or v1
+memory.limit_in_bytes), else the free pages sysconf reports; None where none of these exist,
+and then nothing is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .config import LlamaConfig
+from .errors import MemoryLimitError
+
+GiB = 1 << 30
+# Below this an estimate is not checked: reading /proc costs ~20 us, more than a decode step's
+# worth of small allocations is ever at stake.
+CHECK_FLOOR = 64 << 20
+
+
+# ----------------------------------------------------------------------------- estimates
+
+def rope_bytes(config: LlamaConfig, itemsize: int) -> int:
+    """cos and sin tables, (max_seq_len, Dh/2) each in the model's dtype, and while they are built
+    the float64 angles and one float64 table (ops/rope.py rounds them once)."""
+    return config.max_seq_len * (config.head_dim // 2) * (2 * 8 + 2 * itemsize)
+
+
+def model_bytes(config: LlamaConfig, itemsize: int) -> int:
+    """A model's parameters and RoPE tables; plus, while a fresh one is initialised, the float64
+    draw of its largest matrix (init_params draws in float64, then rounds)."""
+    largest = max(config.vocab_size, config.hidden_dim) * config.dim
+    return config.n_params() * itemsize + rope_bytes(config, itemsize) + 2 * 8 * largest
+
+
+def kv_cache_bytes(config: LlamaConfig, batch_size: int, itemsize: int) -> int:
+    """The decode cache: keys (L, B, KVH, Dh, S) and values with a ones column (L, B, KVH, S, Dh + 1)."""
+    per_row = config.n_layers * config.n_kv_heads * config.max_seq_len * (2 * config.head_dim + 1)
+    return batch_size * per_row * itemsize
+
+
+def activation_bytes(config: LlamaConfig, rows: int, seq_len: int, itemsize: int) -> int:
+    """The caches of a forward of `rows` windows of seq_len tokens, kept for the backward.
+
+    Per layer and token they hold ~8 vectors of D, 6 of F and 3 of the q/k/v width, plus the
+    attention probabilities (rows, H, T, T); one layer's temporaries add two more of those.
+    """
+    D, F, H, KVH, Dh = config.dim, config.hidden_dim, config.n_heads, config.n_kv_heads, config.head_dim
+    tokens, scores = rows * seq_len, rows * H * seq_len * seq_len
+    per_layer = tokens * (8 * D + 6 * F + 3 * (H + 2 * KVH) * Dh) + scores
+    return itemsize * (config.n_layers * per_layer + 2 * scores)
+
+
+def pass_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_len: int, itemsize: int,
+               partial_grads: int = 0) -> int:
+    """A forward (partial_grads=0) or a forward and backward (partial_grads: the shards, each with
+    its own gradients until they are summed) over batch_size windows of an existing model, of
+    which rows_in_flight are processed at once: the engine's stacked copy of the weights, the
+    partial gradients, the activations, and four arrays of logits' size (N, V): in a backward
+    the logits, softmax and gradient of the rows in flight; in a forward the whole batch's,
+    gathered from the shards, concatenated, and what its caller's loss makes of them."""
+    params = config.n_params() * itemsize
+    logits = 4 * (rows_in_flight if partial_grads else batch_size) * seq_len * config.vocab_size * itemsize
+    return (1 + partial_grads) * params + activation_bytes(config, rows_in_flight, seq_len, itemsize) + logits
+
+
+def training_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_len: int, itemsize: int,
+                   partial_grads: int) -> int:
+    """A training run: the model (model_bytes), AdamW's two moments and its scratch, and the larger
+    of a step (pass_bytes with the shards' gradients) and an evaluation (a forward of the batch)."""
+    step = pass_bytes(config, batch_size, rows_in_flight, seq_len, itemsize, partial_grads)
+    evaluation = pass_bytes(config, batch_size, rows_in_flight, seq_len, itemsize)
+    return model_bytes(config, itemsize) + 3 * config.n_params() * itemsize + max(step, evaluation)
+
+
+def array_bytes(count: int, itemsize: int) -> int:
+    """count elements of itemsize bytes: a tensor read from a file, or its cast to the model's dtype."""
+    return count * itemsize
+
+
+# ----------------------------------------------------------------------------- what is free
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None      # "max" (no limit) reads as None
+
+
+def _meminfo_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024      # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_headroom(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Limit minus usage of the tightest memory cgroup this process is in (and its ancestors)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    headrooms = []
+    for line in lines:
+        _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":                                   # v2: "0::/path"
+            base, limit_name, usage_name = root, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):                # v1: "4:memory:/path"
+            base, limit_name, usage_name = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        folder = base / rel.strip().lstrip("/")
+        while True:                                             # a parent's limit binds too
+            limit, usage = _read_int(folder / limit_name), _read_int(folder / usage_name)
+            if limit is not None and limit < 1 << 60:           # v1 writes a huge number for "none"
+                headrooms.append(max(0, limit - (usage or 0)))
+            if folder == base or base not in folder.parents:
+                break
+            folder = folder.parent
+    return min(headrooms) if headrooms else None
+
+
+def _sysconf_available() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def available_bytes() -> int | None:
+    """Bytes this process may still allocate (see the module docstring), or None when unknown."""
+    figures = [f for f in (_meminfo_available(), _cgroup_headroom()) if f is not None]
+    if not figures:
+        figures = [f for f in (_sysconf_available(),) if f is not None]
+    return min(figures) if figures else None
+
+
+def gib(nbytes: int) -> str:
+    """nbytes in GiB, as the messages print it: '824.0', '1.25', '0.06'."""
+    value = nbytes / GiB
+    return f"{value:,.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def require(nbytes: int, what: str, hint: str = "") -> None:
+    """Refuse, before allocating, what cannot fit: MemoryLimitError
+    "{what} needs X GiB, Y GiB available; {hint}". Estimates under CHECK_FLOOR pass unchecked."""
+    if nbytes <= CHECK_FLOOR:
+        return
+    available = available_bytes()
+    if available is not None and nbytes > available:
+        raise MemoryLimitError(f"{what} needs {gib(nbytes)} GiB, {gib(available)} GiB available"
+                               + (f"; {hint}" if hint else ""))
