@@ -83,8 +83,10 @@ import os
 import re
 from pathlib import Path
 
+from .errors import NpllamaError
 
-class TokenizerJSONError(ValueError):
+
+class TokenizerJSONError(NpllamaError):
     """A tokenizer.json or tokenizer_config.json that cannot be read as written."""
 
 
@@ -763,16 +765,7 @@ class _HFTokenizerBase:
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"encode needs a str, got {type(text).__name__}")
-        ids = self._encode(text)
-        if bos:
-            if self.bos_id is None:
-                raise ValueError("this tokenizer.json has no BOS token; encode without bos=True")
-            ids = [self.bos_id] + ids
-        if eos:
-            if self.eos_id is None:
-                raise ValueError("this tokenizer.json has no EOS token; encode without eos=True")
-            ids = ids + [self.eos_id]
-        return ids
+        return with_bos_eos(self._encode(text), self, bos, eos, "this tokenizer.json")
 
     def hf_files(self) -> dict[str, str]:
         """{file name: text} to write into a Hugging Face folder: the files this was read from."""
@@ -792,6 +785,15 @@ class _HFTokenizerBase:
     def __repr__(self):
         return (f"{type(self).__name__}(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
                 f"add_bos={self.add_bos}, add_eos={self.add_eos})")
+
+
+def with_bos_eos(ids: list[int], tokenizer, bos: bool, eos: bool, what: str) -> list[int]:
+    """ids with tokenizer.bos_id before them and tokenizer.eos_id after, as asked; an error naming
+    `what` when the tokenizer has no such token."""
+    for wanted, name in ((bos, "bos"), (eos, "eos")):
+        if wanted and getattr(tokenizer, f"{name}_id") is None:
+            raise NpllamaError(f"{what} has no {name.upper()} token; encode without {name}=True")
+    return [tokenizer.bos_id] * bool(bos) + ids + [tokenizer.eos_id] * bool(eos)
 
 
 class HFTokenizer(_HFTokenizerBase):

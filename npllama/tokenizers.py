@@ -32,7 +32,7 @@ import sentencepiece as spm
 
 from .checks import check_int
 from .errors import NpllamaError
-from .tokenizer_json import from_json_dict, hf_tokenizer, tokenizer_from_folder
+from .tokenizer_json import from_json_dict, hf_tokenizer, tokenizer_from_folder, with_bos_eos
 
 
 class CharTokenizer:
@@ -143,16 +143,7 @@ class SentencePieceTokenizer:
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise NpllamaError(f"encode needs a str, got {type(text).__name__}")
-        ids = self._sp.encode(text)
-        if bos:
-            if self.bos_id is None:
-                raise NpllamaError("this sentencepiece model has no BOS token; encode without bos=True")
-            ids = [self.bos_id] + ids
-        if eos:
-            if self.eos_id is None:
-                raise NpllamaError("this sentencepiece model has no EOS token; encode without eos=True")
-            ids = ids + [self.eos_id]
-        return ids
+        return with_bos_eos(self._sp.encode(text), self, bos, eos, "this sentencepiece model")
 
     def _check_ids(self, ids) -> list[int]:
         ids = [int(i) for i in ids]
