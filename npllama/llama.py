@@ -18,6 +18,7 @@ import numpy as np
 from . import engine, generate as generation
 from .checks import check_dtype, check_int
 from .config import LlamaConfig
+from .engine.layout import flat_params
 from .kvcache import KVCache
 from .model import TokenError, check_tokens, init_params, model_rope_tables
 
@@ -28,7 +29,10 @@ class Llama:
     def __init__(self, config: LlamaConfig, seed: int = 0, dtype=np.float32):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"config must be a LlamaConfig, got {type(config).__name__}")
-        self._setup(config, init_params(config, seed, dtype), check_dtype(dtype))
+        dtype = check_dtype(dtype)
+        # the parameters are views of one flat array, which the training engine reads and writes
+        # without copies (engine/layout.py); init_params draws straight into them
+        self._setup(config, init_params(config, seed, dtype, out=flat_params(config, dtype)), dtype)
 
     def _setup(self, config: LlamaConfig, params: dict, dtype: np.dtype) -> None:
         self.config = config
@@ -57,7 +61,10 @@ class Llama:
             dtype = first if first in (np.float32, np.float64) else np.float32
         dtype = check_dtype(dtype)
         model = cls.__new__(cls)
-        model._setup(config, {n: np.ascontiguousarray(params[n], dtype=dtype) for n in expected}, dtype)
+        flat = flat_params(config, dtype)                 # copies, cast, into one flat array (as __init__)
+        for name, view in flat.items():
+            np.copyto(view, params[name], casting="unsafe")
+        model._setup(config, flat, dtype)
         return model
 
     def new_kv_cache(self, batch_size: int = 1) -> KVCache:
@@ -107,7 +114,7 @@ class Llama:
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
             raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
-        return engine.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers)
+        return engine.training.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers)
 
     def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
                  seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False):

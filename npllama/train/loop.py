@@ -33,6 +33,7 @@ from typing import TextIO
 
 import numpy as np
 
+from ..engine import FusedAdamW
 from ..io import save
 from ..llama import Llama
 from ..ops import cross_entropy_forward
@@ -186,8 +187,8 @@ class Run:
 
     def new_optimizer(self) -> AdamW:
         cfg = self.cfg
-        return AdamW(self.model.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                     weight_decay=cfg.weight_decay)
+        return FusedAdamW(self.model.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                          weight_decay=cfg.weight_decay)
 
 
 def new_run(cfg: TrainConfig, log) -> Run:

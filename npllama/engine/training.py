@@ -1,0 +1,403 @@
+"""The engine's training pass: npllama.model.loss_and_grads, fast and lean, on one flat array.
+
+    loss, grads = loss_and_grads(params, config, rope, tokens, targets)   # grads keyed like params
+
+The same chain rule as the reference (model.loss_and_grads, block_forward / block_backward),
+with the work laid out for NumPy on a few cores:
+
+  - Flat arrays (engine/layout.py): the parameters are views of one array, so the stacks
+    [wq; wk; wv] and [w1; w3] are views too, and the gradients are written into one new flat
+    array whose views are returned. Each stacked dW GEMM writes its slot directly.
+  - Shards (engine/shards.py): the batch rows in shards on one thread per core. Every shard
+    adds its gradient terms into the one gradient array, in shard order (ShardSums), so the
+    sums are those of one fixed order whatever the threads' timing: a step is reproducible
+    bit for bit, and there is no per-shard copy of the gradients.
+  - Block-causal attention (engine/attention.py): no score in a query block's future is made.
+  - One pass where the reference makes several: RoPE, the 1/sqrt(Dh) scale and the change to
+    the attention layout are one complex multiply; the cross-entropy's softmax and gradient
+    are computed in place in the logits; SwiGLU overwrites the gate with silu(gate).
+  - Only what backward cannot cheaply recompute is kept: per block its input, the two rstd
+    columns, q, k, [v | 1], the attention probabilities, the attention output, h, [silu | up]
+    and sigmoid(gate). The norms' outputs and silu * up are recomputed (one multiply each).
+
+tests/engine/ checks loss and every gradient against the reference (float64, 1e-10).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from ..config import LlamaConfig
+from ..model import layer_param_names, output_weight_name
+from ..ops import IGNORE_INDEX
+from .attention import BLOCK, BlockAttentionCache, attention_backward, attention_forward
+from .blas import blas_threads
+from .layout import FlatLayout
+from .shards import resolve_workers, run_sharded
+from .stacked import StackedLayer
+
+# Above this vocabulary the embedding's gradient is summed by sorting the ids; below, by a
+# one-hot GEMM (2 V N D flops: 70 ms against 3 ms at V = 6144, D = 768, N = 512).
+ONE_HOT_MAX_VOCAB = 128
+
+
+# ----------------------------------------------------------------------------- gradient sums
+
+class _Slot:
+    __slots__ = ("lock", "done", "pending")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.done = 0            # shards whose term is in the array
+        self.pending = {}        # shard -> its term, waiting for the shards before it
+
+
+class ShardSums:
+    """Each gradient slot = shard 0's term + shard 1's + ..., added in that order.
+
+    Shard 0 writes its term straight into the slot (a GEMM with out=); a later shard computes
+    its term aside and adds it once every shard before it has: the order of the additions, and
+    so the rounding, never depends on which thread gets there first.
+    """
+
+    def __init__(self):
+        self._slots: dict = {}
+        self._lock = threading.Lock()
+
+    def put(self, key, dst: np.ndarray, shard: int, term) -> None:
+        """dst (+)= term(out): term writes into out (shard 0: dst itself) or, given None, returns an array."""
+        with self._lock:
+            slot = self._slots.setdefault(key, _Slot())
+        if shard == 0:
+            term(dst)
+        else:
+            value = term(None)
+        with slot.lock:
+            if shard == 0:
+                slot.done = 1
+            else:
+                slot.pending[shard] = value
+            while slot.done in slot.pending:
+                dst += slot.pending.pop(slot.done)
+                slot.done += 1
+
+
+def _product(a, b):
+    """term(out) for dst (+)= a @ b."""
+    return lambda out: np.matmul(a, b, out=out)
+
+
+def _value(x):
+    return lambda out: x if out is None else np.copyto(out, x)
+
+
+# ----------------------------------------------------------------------------- small ops
+
+def rms_rstd(x, eps):
+    """r = (mean(x**2) + eps) ** -0.5 of each row: (N, D) -> (N, 1)."""
+    r = np.einsum("nd,nd->n", x, x)[:, None]
+    r *= 1.0 / x.shape[1]
+    r += eps
+    np.sqrt(r, out=r)
+    return np.reciprocal(r, out=r)
+
+
+def rms_backward(dy, x, rstd, weight):
+    """ops.rmsnorm_backward with the input and r given: (dx, dweight), dx over dy's memory.
+
+    n = x r,  dweight = sum over rows of dy n,  g = dy w,  dx = r (g - n mean(g n)).
+    """
+    n = x * rstd
+    dweight = np.einsum("nd,nd->d", dy, n)
+    dy *= weight
+    mean_gn = np.einsum("nd,nd->n", dy, n)[:, None]
+    mean_gn *= 1.0 / x.shape[1]
+    n *= mean_gn
+    dy -= n
+    dy *= rstd
+    return dy, dweight
+
+
+def sigmoid(a):
+    """1 / (1 + exp(-a)) as a new array (exp overflowing to inf gives the right limit, 0)."""
+    s = np.negative(a)
+    with np.errstate(over="ignore"):
+        np.exp(s, out=s)
+    s += 1.0
+    return np.reciprocal(s, out=s)
+
+
+def cross_entropy_in_place(logits, targets, normalizer):
+    """ops.cross_entropy forward and backward at once, the gradient written over the logits.
+
+    loss = (1/n) sum over valid rows of (logsumexp(z) - z_y);  dz = (softmax(z) - onehot(y)) / n
+    on valid rows, 0 on ignored ones. logits (N, V) float, targets (N,) ids or -100.
+    Returns: loss (python float), dlogits (the logits' array).
+    """
+    N = logits.shape[0]
+    valid = targets != IGNORE_INDEX
+    picked_rows = np.flatnonzero(valid)
+    picked_ids = targets[picked_rows]
+    row_max = logits.max(axis=1, keepdims=True)
+    picked = logits[picked_rows, picked_ids]
+    logits -= row_max
+    np.exp(logits, out=logits)
+    sums = logits.sum(axis=1, keepdims=True)
+    lse = row_max[picked_rows, 0] + np.log(sums[picked_rows, 0])
+    loss = float((lse - picked).sum(dtype=np.float64) / normalizer)
+    # softmax / n on valid rows, 0 on the others; then the one-hot term
+    scale = np.zeros((N, 1), dtype=logits.dtype)
+    scale[picked_rows] = (1.0 / normalizer) / sums[picked_rows]
+    logits *= scale
+    logits[picked_rows, picked_ids] -= logits.dtype.type(1.0 / normalizer)
+    return loss, logits
+
+
+def embedding_term(ids, dx, vocab_size):
+    """term(out) for dW (+)= the scatter-add of dx's rows into the rows ids (ops.embedding_backward)."""
+    def term(out):
+        if out is None:
+            out = np.zeros((vocab_size, dx.shape[1]), dtype=dx.dtype)
+        else:
+            out.fill(0)
+        return add_rows(out, ids, dx)
+    return term
+
+
+def add_rows(dst, ids, rows):
+    """dst[ids[j]] += rows[j] for every j, repeated ids summed. Returns dst."""
+    V = dst.shape[0]
+    if V <= ONE_HOT_MAX_VOCAB:
+        one_hot = np.zeros((V, len(ids)), dtype=rows.dtype)
+        one_hot[ids, np.arange(len(ids))] = 1
+        dst += one_hot @ rows                                             # (V, N) @ (N, D)
+        return dst
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    dst[sorted_ids[starts]] += np.add.reduceat(rows[order], starts, axis=0)
+    return dst
+
+
+# ----------------------------------------------------------------------------- one block
+
+class Rotations(NamedTuple):
+    """RoPE as complex multipliers (ops.rope._rotate): k by e^(i p theta), q also by 1/sqrt(Dh)."""
+    k: np.ndarray            # (T, Dh/2) complex
+    q: np.ndarray            # (T, Dh/2) complex, times 1/sqrt(Dh)
+
+
+def rotations(rope, T, head_dim) -> Rotations:
+    cos, sin = rope
+    rot = (cos[:T] + 1j * sin[:T]).astype(np.result_type(cos.dtype, np.complex64))
+    return Rotations(rot, rot * (1.0 / math.sqrt(head_dim)))
+
+
+class Shape(NamedTuple):
+    b: int                   # batch rows of the shard
+    T: int
+    H: int
+    KVH: int
+    Dh: int
+    F: int
+
+
+class BlockCache(NamedTuple):
+    x: np.ndarray            # (N, D) the block's input
+    rstd1: np.ndarray        # (N, 1) attention_norm's r
+    attention: BlockAttentionCache
+    att: np.ndarray          # (N, H*Dh) attention output, wo's input
+    h: np.ndarray            # (N, D) after the attention residual
+    rstd2: np.ndarray        # (N, 1) ffn_norm's r
+    silu_up: np.ndarray      # (N, 2F) [silu(gate) | up]
+    sig: np.ndarray          # (N, F) sigmoid(gate)
+
+
+def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, block, keep_probs):
+    """model.block_forward on 2-D activations x (N, D), N = b*T; returns (out (N, D), BlockCache)."""
+    b, T, H, KVH, Dh, F = s
+    R, Hn = H // KVH, H + 2 * KVH
+    rstd1 = rms_rstd(x, eps)
+    xn = x * rstd1
+    xn *= w.attention_norm
+    qkv = xn @ w.wqkv.T                                                  # (N, D) -> (N, Hn*Dh)
+    del xn
+    # RoPE, the 1/sqrt(Dh) scale and the attention layout in one complex multiply per q and k
+    cplx = rot.k.dtype
+    heads = qkv.view(cplx).reshape(b, T, Hn, Dh // 2)
+    q = np.empty((b, KVH, T, R, Dh), dtype=x.dtype)                      # rows (t, r) of each group
+    np.multiply(heads[:, :, :H].reshape(b, T, KVH, R, Dh // 2).transpose(0, 2, 1, 3, 4),
+                rot.q[:, None, :], out=q.view(cplx))
+    k = np.empty((b, KVH, T, Dh), dtype=x.dtype)
+    np.multiply(heads[:, :, H:H + KVH].transpose(0, 2, 1, 3), rot.k, out=k.view(cplx))
+    v1 = np.empty((b, KVH, T, Dh + 1), dtype=x.dtype)                   # [v | 1]
+    v1[..., Dh] = 1.0
+    np.copyto(v1[..., :Dh], qkv.reshape(b, T, Hn, Dh)[:, :, H + KVH:].transpose(0, 2, 1, 3))
+    del qkv, heads
+    att = np.empty((b * T, H * Dh), dtype=x.dtype)
+    with blas_threads(1):
+        c_att = attention_forward(q.reshape(b, KVH, T * R, Dh), k, v1,
+                                            att.reshape(b, T, KVH, R, Dh).transpose(0, 2, 1, 3, 4),
+                                            block=block, keep_probs=keep_probs)
+    h = att @ w.wo.T
+    h += x                                                               # residual
+    rstd2 = rms_rstd(h, eps)
+    hn = h * rstd2
+    hn *= w.ffn_norm
+    silu_up = hn @ w.w13.T                                               # (N, D) -> (N, 2F): [gate | up]
+    del hn
+    gate, up = silu_up[:, :F], silu_up[:, F:]
+    sig = sigmoid(gate)
+    gate *= sig                                                          # gate -> silu(gate), in place
+    out = (gate * up) @ w.w2.T                                           # (N, F) -> (N, D)
+    out += h                                                             # residual
+    return out, BlockCache(x, rstd1, c_att, att, h, rstd2, silu_up, sig)
+
+
+def block_backward(dout, c: BlockCache, w: StackedLayer, dw: StackedLayer, s: Shape, rot: Rotations,
+                   sums: ShardSums, shard: int, key):
+    """model.block_backward: dx (N, D); the weights' gradients go into dw's slots through sums."""
+    b, T, H, KVH, Dh, F = s
+    R, Hn = H // KVH, H + 2 * KVH
+    # undo out = h + w2(silu(gate) * up)
+    silu, up = c.silu_up[:, :F], c.silu_up[:, F:]
+    g = silu * up
+    sums.put((key, "w2"), dw.w2, shard, _product(dout.T, g))
+    dg = dout @ w.w2                                                     # (N, D) -> (N, F)
+    dgu = np.empty_like(c.silu_up)                                       # [dgate | dup], the w13 layout
+    np.multiply(dg, silu, out=dgu[:, F:])                                # dup = dg silu(gate)
+    dgate = dgu[:, :F]
+    # dgate = dg up s (1 + gate (1 - s)) = dg (g + s (up - g))
+    np.subtract(up, g, out=dgate)
+    dgate *= c.sig
+    dgate += g
+    dgate *= dg
+    del g, dg
+    hn = c.h * c.rstd2
+    hn *= w.ffn_norm
+    sums.put((key, "w13"), dw.w13, shard, _product(dgu.T, hn))
+    del hn
+    dhn = dgu @ w.w13                                                    # sums the gate and up branches
+    del dgu
+    dh, dnorm = rms_backward(dhn, c.h, c.rstd2, w.ffn_norm)
+    sums.put((key, "ffn_norm"), dw.ffn_norm, shard, _value(dnorm))
+    dh += dout                                                           # residual: skip + branch
+    # undo h = x + wo(attention(...))
+    sums.put((key, "wo"), dw.wo, shard, _product(dh.T, c.att))
+    datt = dh @ w.wo                                                     # (N, D) -> (N, H*Dh)
+    dqkv = np.empty((b, T, Hn, Dh), dtype=dout.dtype)
+    with blas_threads(1):
+        dq, dk = attention_backward(datt.reshape(b, T, KVH, R, Dh), c.att.reshape(b, T, KVH, R, Dh),
+                                              c.attention, dqkv[:, :, H + KVH:].transpose(0, 2, 1, 3))
+    del datt
+    # undo RoPE and the scale: the conjugate multiplies, written into the q and k slots of dqkv
+    cplx = rot.k.dtype
+    dheads = dqkv.view(cplx)                                             # (b, T, Hn, Dh/2)
+    np.multiply(dq.view(cplx).reshape(b, KVH, T, R, Dh // 2), np.conj(rot.q)[:, None, :],
+                out=dheads[:, :, :H].reshape(b, T, KVH, R, Dh // 2).transpose(0, 2, 1, 3, 4))
+    np.multiply(dk.view(cplx), np.conj(rot.k), out=dheads[:, :, H:H + KVH].transpose(0, 2, 1, 3))
+    del dq, dk
+    dqkv = dqkv.reshape(b * T, Hn * Dh)
+    xn = c.x * c.rstd1
+    xn *= w.attention_norm
+    sums.put((key, "wqkv"), dw.wqkv, shard, _product(dqkv.T, xn))
+    del xn
+    dxn = dqkv @ w.wqkv                                                  # sums the q, k and v branches
+    del dqkv
+    dx, dnorm = rms_backward(dxn, c.x, c.rstd1, w.attention_norm)
+    sums.put((key, "attention_norm"), dw.attention_norm, shard, _value(dnorm))
+    dx += dh                                                             # residual: skip + branch
+    return dx
+
+
+# ----------------------------------------------------------------------------- the model
+
+class Step(NamedTuple):
+    """What every shard of one call shares."""
+    config: LlamaConfig
+    views: dict              # name -> view of params
+    gviews: dict             # name -> view of grads
+    layers: list             # per block: StackedLayer views of params
+    dlayers: list            # per block: StackedLayer views of grads
+    rotations: Rotations
+    normalizer: int
+    sums: ShardSums
+    block: int
+    keep_probs: bool
+
+
+def shard_loss_and_grads(step: Step, shard: int, tokens, targets) -> float:
+    """model.loss_and_grads of one shard of rows; its gradient terms go into step.grads. Returns its loss."""
+    cfg = step.config
+    b, T = tokens.shape
+    s = Shape(b, T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim)
+    rot = step.rotations
+    views, gviews = step.views, step.gviews
+    ids = tokens.reshape(-1)
+    x = np.take(views["tok_embeddings.weight"], ids, axis=0)               # (N,) -> (N, D)
+    caches = []
+    for w in step.layers:
+        x, c = block_forward(x, w, rot, s, cfg.norm_eps, step.block, step.keep_probs)
+        caches.append(c)
+    rstd = rms_rstd(x, cfg.norm_eps)
+    xn = x * rstd
+    xn *= views["norm.weight"]
+    out_name = output_weight_name(cfg)
+    w_out = views[out_name]
+    logits = xn @ w_out.T                                                # (N, D) -> (N, V)
+    # The chain rule starts here: dloss = 1.0, and the loss divides by the batch's valid targets.
+    loss, dlogits = cross_entropy_in_place(logits, targets.reshape(-1), step.normalizer)
+    if cfg.tie_embeddings:
+        dxn = dlogits @ w_out
+        dw_out = dlogits.T @ xn                                          # kept: the embedding adds into it
+    else:
+        step.sums.put("output", gviews[out_name], shard, _product(dlogits.T, xn))
+        dxn = dlogits @ w_out
+    del logits, dlogits, xn
+    dx, dnorm = rms_backward(dxn, x, rstd, views["norm.weight"])
+    step.sums.put("norm", gviews["norm.weight"], shard, _value(dnorm))
+    for i in reversed(range(cfg.n_layers)):
+        dx = block_backward(dx, caches.pop(), step.layers[i], step.dlayers[i], s, rot, step.sums, shard, i)
+    demb = gviews["tok_embeddings.weight"]
+    if cfg.tie_embeddings:                  # one matrix read twice: the output's term plus the embedding's
+        add_rows(dw_out, ids, dx)
+        step.sums.put("embedding", demb, shard, _value(dw_out))
+    else:
+        step.sums.put("embedding", demb, shard, embedding_term(ids, dx, cfg.vocab_size))
+    return loss
+
+
+def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, workers=None,
+                   block: int | None = None, keep_probs: bool = True):
+    """Mean cross-entropy of checked tokens and targets (B, T) and every parameter's gradient.
+
+    params: the model's parameters; when they are views of one flat array (FlatLayout, as
+    npllama.Llama keeps them) nothing is copied, otherwise they are gathered into one first.
+    rope: (cos, sin) tables of model_rope_tables. workers: threads (engine.shards.resolve_workers).
+    block: query positions per attention block (BLOCK). keep_probs: False recomputes
+    the attention probabilities in backward instead of keeping them (less memory, a few % slower).
+    Returns: loss (python float), grads: views of one new flat array, keyed like params.
+    """
+    n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
+    if n_valid == 0:
+        raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
+    layout = FlatLayout(config)
+    flat = layout.base_of(params)
+    if flat is None:                        # not the engine's layout: one copy for this call
+        flat = layout.new(params["tok_embeddings.weight"].dtype)
+        for name, view in layout.views(flat).items():
+            view[...] = params[name]
+    grads = layout.new(flat.dtype)
+    step = Step(config, layout.views(flat), layout.views(grads),
+                [layout.stacked(flat, i) for i in range(config.n_layers)],
+                [layout.stacked(grads, i) for i in range(config.n_layers)],
+                rotations(rope, tokens.shape[1], config.head_dim), n_valid, ShardSums(),
+                BLOCK if block is None else block, keep_probs)
+    workers = resolve_workers(workers, *tokens.shape, config.dim)
+    losses = run_sharded(lambda j, x, y: shard_loss_and_grads(step, j, x, y), workers, config.dim,
+                         tokens, targets, indexed=True)
+    return sum(losses), step.gviews
