@@ -239,10 +239,9 @@ def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, block, keep
     np.copyto(v1[..., :Dh], qkv.reshape(b, T, Hn, Dh)[:, :, H + KVH:].transpose(0, 2, 1, 3))
     del qkv, heads
     att = np.empty((b * T, H * Dh), dtype=x.dtype)
-    with blas_threads(1):
-        c_att = attention_forward(q.reshape(b, KVH, T * R, Dh), k, v1,
-                                            att.reshape(b, T, KVH, R, Dh).transpose(0, 2, 1, 3, 4),
-                                            block=block, keep_probs=keep_probs)
+    c_att = attention_forward(q.reshape(b, KVH, T * R, Dh), k, v1,
+                                  att.reshape(b, T, KVH, R, Dh).transpose(0, 2, 1, 3, 4),
+                                  block=block, keep_probs=keep_probs)
     h = att @ w.wo.T
     h += x                                                               # residual
     rstd2 = rms_rstd(h, eps)
@@ -290,9 +289,8 @@ def block_backward(dout, c: BlockCache, w: StackedLayer, dw: StackedLayer, s: Sh
     sums.put((key, "wo"), dw.wo, shard, _product(dh.T, c.att))
     datt = dh @ w.wo                                                     # (N, D) -> (N, H*Dh)
     dqkv = np.empty((b, T, Hn, Dh), dtype=dout.dtype)
-    with blas_threads(1):
-        dq, dk = attention_backward(datt.reshape(b, T, KVH, R, Dh), c.att.reshape(b, T, KVH, R, Dh),
-                                              c.attention, dqkv[:, :, H + KVH:].transpose(0, 2, 1, 3))
+    dq, dk = attention_backward(datt.reshape(b, T, KVH, R, Dh), c.att.reshape(b, T, KVH, R, Dh),
+                                c.attention, dqkv[:, :, H + KVH:].transpose(0, 2, 1, 3))
     del datt
     # undo RoPE and the scale: the conjugate multiplies, written into the q and k slots of dqkv
     cplx = rot.k.dtype
@@ -398,6 +396,9 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
                 rotations(rope, tokens.shape[1], config.head_dim), n_valid, ShardSums(),
                 BLOCK if block is None else block, keep_probs)
     workers = resolve_workers(workers, *tokens.shape, config.dim)
-    losses = run_sharded(lambda j, x, y: shard_loss_and_grads(step, j, x, y), workers, config.dim,
-                         tokens, targets, indexed=True)
+    # One BLAS thread throughout, also with one worker: at these sizes OpenBLAS's second thread
+    # costs more in hand-offs than it adds (a 1024 x 128 x 704 GEMM: 94 GF/s alone, 23 on two).
+    with blas_threads(1):
+        losses = run_sharded(lambda j, x, y: shard_loss_and_grads(step, j, x, y), workers, config.dim,
+                             tokens, targets, indexed=True)
     return sum(losses), step.gviews
