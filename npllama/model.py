@@ -110,8 +110,8 @@ def check_tokens(tokens, config: LlamaConfig, name: str = "tokens", allow_ignore
     return arr.astype(np.int64, copy=False)
 
 
-# Normal draws made at a time by init_params: 512 KB of float64, whatever the model's size.
-INIT_CHUNK = 1 << 16
+# Normal draws made at a time by init_params: 64 KB of float64, whatever the model's size.
+INIT_CHUNK = 1 << 13
 
 
 def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32, out: dict | None = None) -> dict[str, np.ndarray]:

@@ -17,8 +17,9 @@ setting counts: the median over rounds of its time per step, as tokens/s.
 
 Memory: each side alone in a fresh process of its own (this script with --memory-probe). Model
 creation: the peak resident memory while the model is built, minus the resident memory after
-the imports. Training: the peak while the optimizer is built and two steps run, minus the
-resident memory after the model was built (Linux: VmHWM, reset through /proc/self/clear_refs).
+the imports and a warm-up on a tiny model (which pages the libraries' code in). Training: the
+peak while the optimizer is built and two steps run, minus the resident memory after the model
+was built (Linux: VmHWM, reset through /proc/self/clear_refs).
 
 Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU; load average before and after each):
   cfg      shape                                    tokens/s npllama / torch (ratio)   peak MB npllama / torch (ratio)   create MB (x params)
@@ -160,13 +161,19 @@ def memory_probe(side, name, quick):
         import torch
         from torch_llama import TorchLlama
         torch.set_num_threads(2)
+    build = (lambda c: npllama.Llama(c, seed=0)) if side == "npllama" else TorchLlama
+    train = npllama_step if side == "npllama" else torch_step
+    # first a tiny model, built and trained a step: the libraries' code and tables are paged in
+    # then, and not counted below
+    tiny = npllama.LlamaConfig(dim=16, n_layers=1, n_heads=2, vocab_size=cfg.vocab_size, max_seq_len=8)
+    train(build(tiny), *batch(tiny, 2, 8))()
     start = _status("VmRSS")
     _reset_peak()
-    model = npllama.Llama(cfg, seed=0) if side == "npllama" else TorchLlama(cfg)
+    model = build(cfg)
     create = _status("VmHWM") - start
     after_create = _status("VmRSS")
     _reset_peak()
-    step = npllama_step(model, tokens, targets) if side == "npllama" else torch_step(model, tokens, targets)
+    step = train(model, tokens, targets)
     for _ in range(2):
         step()
     print(json.dumps({"create": create, "train": _status("VmHWM") - after_create}))

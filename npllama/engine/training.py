@@ -16,6 +16,8 @@ with the work laid out for NumPy on a few cores:
   - One pass where the reference makes several: RoPE, the 1/sqrt(Dh) scale and the change to
     the attention layout are one complex multiply; the cross-entropy's softmax and gradient
     are computed in place in the logits; SwiGLU overwrites the gate with silu(gate).
+  - Memory that a step frees is kept for the next (engine/memory.py: a process-wide glibc
+    setting, made once), so the step's arrays are not faulted in again page by page.
   - Only what backward cannot cheaply recompute is kept: per block its input, the two rstd
     columns, q, k, [v | 1], the attention probabilities, the attention output, h, [silu | up]
     and sigmoid(gate). The norms' outputs and silu * up are recomputed (one multiply each).
@@ -37,9 +39,14 @@ from ..ops import IGNORE_INDEX
 from .attention import BLOCK, BlockAttentionCache, attention_backward, attention_forward
 from .blas import blas_threads
 from .layout import FlatLayout
+from .memory import keep_freed_memory
 from .shards import resolve_workers, run_sharded
 from .stacked import StackedLayer
 
+# Up to this many positions the attention probabilities are kept for backward; above, only
+# their row statistics, and backward recomputes them (one more q k^T per block): at T = 512 they
+# are the largest cache of all (a third of the step's activations at dim 768, 16 heads).
+KEEP_PROBS_MAX_T = 256
 # Above this vocabulary the embedding's gradient is summed by sorting the ids; below, by a
 # one-hot GEMM (2 V N D flops: 70 ms against 3 ms at V = 6144, D = 768, N = 512).
 ONE_HOT_MAX_VOCAB = 128
@@ -370,7 +377,7 @@ def shard_loss_and_grads(step: Step, shard: int, tokens, targets) -> float:
 
 
 def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, workers=None,
-                   block: int | None = None, keep_probs: bool = True):
+                   block: int | None = None, keep_probs: bool | None = None):
     """Mean cross-entropy of checked tokens and targets (B, T) and every parameter's gradient.
 
     params: the model's parameters; when they are views of one flat array (FlatLayout, as
@@ -383,6 +390,7 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
     if n_valid == 0:
         raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
+    keep_freed_memory()                     # once per process: no page faults for each step's arrays
     layout = FlatLayout(config)
     flat = layout.base_of(params)
     if flat is None:                        # not the engine's layout: one copy for this call
@@ -394,7 +402,8 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
                 [layout.stacked(flat, i) for i in range(config.n_layers)],
                 [layout.stacked(grads, i) for i in range(config.n_layers)],
                 rotations(rope, tokens.shape[1], config.head_dim), n_valid, ShardSums(),
-                BLOCK if block is None else block, keep_probs)
+                BLOCK if block is None else block,
+                tokens.shape[1] <= KEEP_PROBS_MAX_T if keep_probs is None else keep_probs)
     workers = resolve_workers(workers, *tokens.shape, config.dim)
     # One BLAS thread throughout, also with one worker: at these sizes OpenBLAS's second thread
     # costs more in hand-offs than it adds (a 1024 x 128 x 704 GEMM: 94 GF/s alone, 23 on two).
