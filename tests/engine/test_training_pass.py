@@ -100,7 +100,9 @@ def test_block_causal_attention_equals_the_reference_op(b, KVH, R, T, half, bloc
     dv = np.empty_like(k)
     dq, dk = attention.attention_backward(dout.reshape(b, KVH, R, T, Dh).transpose(0, 3, 1, 2, 4), out, c, dv)
     dq = dq.reshape(b, KVH, T, R, Dh).transpose(0, 1, 3, 2, 4).reshape(b, H, T, Dh) * scale
-    assert rel_error(dq, dq_ref) < 1e-10 and rel_error(dk, dk_ref) < 1e-10 and rel_error(dv, dv_ref) < 1e-10
+    floor = 1e-4 * np.linalg.norm(dv_ref)        # dq = dk = 0 exactly at T = 1: rounding noise either side
+    for got, expected in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert rel_error(got, expected, floor=floor) < 1e-10
 
 
 def test_cross_entropy_in_place_equals_the_reference_op():
