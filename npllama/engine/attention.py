@@ -91,7 +91,7 @@ def attention_forward(q, k, v1, out, *, block: int = BLOCK, keep_probs: bool = T
         P -= row_max[:, :, rows]
         np.exp(P, out=P)
         Ol = P @ v1[:, :, :e]                                           # (b, KVH, n R, Dh + 1): [O | l]
-        np.reciprocal(Ol[..., Dh:], out=inv_sum[:, :, rows])
+        np.divide(1.0, Ol[..., Dh:], out=inv_sum[:, :, rows])          # NumPy's divide is faster than its reciprocal
         n = e - s
         np.multiply(Ol[..., :Dh].reshape(b, KVH, n, R, Dh), inv_sum[:, :, rows].reshape(b, KVH, n, R, 1),
                     out=out[:, :, s:e])
