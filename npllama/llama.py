@@ -105,10 +105,12 @@ class Llama:
     def loss_and_grads(self, tokens, targets, workers=None):
         """Mean cross-entropy of the targets (ignoring -100) and its gradient for every parameter.
 
-        tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params).
+        tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params;
+            its arrays are views of one new flat array, so a later call never overwrites them).
         workers: threads sharing contiguous shards of the batch rows (default: one per CPU core, at
-            most B; one for small steps); see npllama.engine.passes. The result depends on
-            `workers` only through rounding; pass workers=1 for sums in one order on every machine.
+            most B; one for small steps); see npllama.engine.training. The shards' terms are summed
+            in shard order, so a call gives the same bits whatever the threads' timing; the number
+            of shards (and so the rounding) depends on `workers` and the batch's size only.
         """
         tokens = check_tokens(tokens, self.config)
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)

@@ -108,7 +108,7 @@ def torch_step(tm, tokens, targets, threads=None):
 
 # ---- speed: interleaved rounds in this process -------------------------------------------------------
 
-def measure_speed(cfg, B, T, rounds, turn_seconds, use_torch):
+def measure_speed(cfg, B, T, rounds, turn_seconds, use_torch, warmup=2):
     """{setting: median seconds per step} over interleaved rounds (module docstring)."""
     tokens, targets = batch(cfg, B, T)
     model = npllama.Llama(cfg, seed=0)
@@ -121,7 +121,7 @@ def measure_speed(cfg, B, T, rounds, turn_seconds, use_torch):
                 TorchLlama.from_npllama(model), tokens, targets, threads)
     per_turn = {}
     for name, step in steps.items():          # warm up (PyTorch sets itself up lazily), then size the turns
-        for _ in range(2):
+        for _ in range(warmup):
             step()
         t0 = time.perf_counter()
         step()
@@ -179,15 +179,25 @@ def memory_probe(side, name, quick):
     print(json.dumps({"create": create, "train": _status("VmHWM") - after_create}))
 
 
-def measure_memory(side, name, quick):
-    """memory_probe's figures from a fresh process, or None where it cannot measure (not Linux)."""
+def measure_memory(sides, name, quick):
+    """{side: memory_probe's figures}, each from a fresh process, or None where it cannot measure
+    (not Linux). Quick: the sides' processes run at once (they share time, not memory)."""
     if not os.path.exists("/proc/self/clear_refs"):
         return None
-    cmd = [sys.executable, __file__, "--memory-probe", side, name] + (["--quick"] if quick else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory probe {side} {name} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def start(side):
+        cmd = [sys.executable, __file__, "--memory-probe", side, name] + (["--quick"] if quick else [])
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    started = {side: start(side) for side in sides} if quick else {}
+    found = {}
+    for side in sides:
+        proc = started.get(side) or start(side)
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"memory probe {side} {name} failed:\n{err}")
+        found[side] = json.loads(out.strip().splitlines()[-1])
+    return found
 
 
 # ---- the report ----------------------------------------------------------------------------------------
@@ -231,7 +241,7 @@ def main(argv=None) -> int:
     for name, (kw, B, T) in configs.items():
         cfg = npllama.LlamaConfig(**kw)
         load_before = load_average()
-        times = measure_speed(cfg, B, T, rounds, turn, use_torch)
+        times = measure_speed(cfg, B, T, rounds, turn, use_torch, warmup=1 if args.quick else 2)
         load_after = load_average()
         tokens = B * T
         print(f"\n{name}: {describe(cfg, B, T)}   load average {load_before} -> {load_after}")
@@ -246,9 +256,8 @@ def main(argv=None) -> int:
         if args.no_memory:
             continue
         param_bytes = cfg.n_params() * 4
-        mem = {side: measure_memory(side, name, args.quick) for side in (["npllama", "torch"] if use_torch
-                                                                        else ["npllama"])}
-        if mem["npllama"] is None:
+        mem = measure_memory(["npllama", "torch"] if use_torch else ["npllama"], name, args.quick)
+        if mem is None:
             print("  memory  not measured (needs Linux's /proc/self/clear_refs)")
             continue
         line = f"  memory  training peak npllama {mem['npllama']['train'] / MB:,.0f} MB"
