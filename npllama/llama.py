@@ -18,7 +18,7 @@ import numpy as np
 from . import engine, generate as generation
 from .checks import check_dtype, check_int
 from .config import LlamaConfig
-from .engine.layout import flat_params
+from .engine.layout import FlatLayout, flat_params
 from .kvcache import KVCache
 from .model import TokenError, check_tokens, init_params, model_rope_tables
 
@@ -61,10 +61,7 @@ class Llama:
             dtype = first if first in (np.float32, np.float64) else np.float32
         dtype = check_dtype(dtype)
         model = cls.__new__(cls)
-        flat = flat_params(config, dtype)                 # copies, cast, into one flat array (as __init__)
-        for name, view in flat.items():
-            np.copyto(view, params[name], casting="unsafe")
-        model._setup(config, flat, dtype)
+        model._setup(config, {n: np.ascontiguousarray(params[n], dtype=dtype) for n in expected}, dtype)
         return model
 
     def new_kv_cache(self, batch_size: int = 1) -> KVCache:
@@ -107,6 +104,8 @@ class Llama:
 
         tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params;
             its arrays are views of one new flat array, so a later call never overwrites them).
+        The first call on a loaded model moves its parameters into one flat array (the same values;
+        model.params then holds views of it): arrays taken from model.params before are copies.
         workers: threads sharing contiguous shards of the batch rows (default: one per CPU core, at
             most B; one for small steps); see npllama.engine.training. The shards' terms are summed
             in shard order, so a call gives the same bits whatever the threads' timing; the number
@@ -116,7 +115,19 @@ class Llama:
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
             raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
-        return engine.training.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers)
+        return engine.training.loss_and_grads(self._flat_params(), self.config, self.rope, tokens, targets,
+                                              workers=workers)
+
+    def _flat_params(self) -> dict:
+        """self.params, made views of one flat array if they are not yet (a loaded model), which the
+        training pass reads and writes without copies (engine/layout.py). The same values in the
+        same dict: an optimizer built on model.params goes on updating them."""
+        if FlatLayout(self.config).base_of(self.params) is None:
+            flat = flat_params(self.config, self.dtype)
+            for name, view in flat.items():
+                view[...] = self.params[name]
+            self.params.update(flat)
+        return self.params
 
     def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
                  seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False):

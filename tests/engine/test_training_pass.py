@@ -29,7 +29,11 @@ def batch(cfg, B, T, seed=0):
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameters_are_views_of_one_flat_array_and_the_stacks_are_views_too(tied):
     cfg = CFG.replace(tie_embeddings=tied)
-    for model in (npllama.Llama(cfg, seed=1), npllama.Llama.from_params(cfg, npllama.Llama(cfg, seed=1).params)):
+    loaded = npllama.Llama.from_params(cfg, {n: p.copy() for n, p in npllama.Llama(cfg, seed=1).params.items()})
+    before = {n: p.copy() for n, p in loaded.params.items()}
+    loaded.loss_and_grads(*batch(cfg, 2, 5))               # a loaded model's first step: moved into one array
+    assert all(np.array_equal(loaded.params[n], before[n]) for n in before)
+    for model in (npllama.Llama(cfg, seed=1), loaded):
         layout = FlatLayout(cfg)
         flat = layout.base_of(model.params)
         assert flat is not None and flat.size == cfg.n_params()
@@ -49,15 +53,19 @@ def test_parameters_are_views_of_one_flat_array_and_the_stacks_are_views_too(tie
         assert layout.base_of(grads) is not None
 
 
-def test_a_replaced_parameter_is_noticed_and_still_trained_right():
+def test_parameters_not_in_the_flat_layout_are_trained_right():
+    """A replaced entry: the engine's pass gathers a copy, the model moves them back into one array."""
     model = npllama.Llama(CFG, seed=3, dtype=np.float64)
     tokens, targets = batch(CFG, 3, 7, seed=3)
     model.params["layers.0.attention.wk.weight"] = model.params["layers.0.attention.wk.weight"] * 1.5
     assert FlatLayout(CFG).base_of(model.params) is None
     expected_loss, expected = reference.loss_and_grads(model.params, CFG, tokens, targets)
-    loss, grads = model.loss_and_grads(tokens, targets)
-    assert loss == pytest.approx(expected_loss, rel=1e-12)
-    assert all(rel_error(grads[n], expected[n]) < 1e-10 for n in expected)
+    for run in (lambda: training.loss_and_grads(dict(model.params), CFG, model.rope, tokens, targets),
+                lambda: model.loss_and_grads(tokens, targets)):
+        loss, grads = run()
+        assert loss == pytest.approx(expected_loss, rel=1e-12)
+        assert all(rel_error(grads[n], expected[n]) < 1e-10 for n in expected)
+    assert FlatLayout(CFG).base_of(model.params) is not None
 
 
 def test_the_sums_order_is_fixed_so_threads_never_change_a_bit(monkeypatch):
