@@ -9,6 +9,7 @@ float64, 1e-10 relative, on hypothesis-drawn configs):
                                               one thread per core (shards.py), block-causal
                                               attention (attention.py)
     adamw.FusedAdamW                          optim.AdamW bit for bit, in cache-sized chunks on threads
+    memory.keep_freed_memory                  glibc keeps a step's freed arrays for the next step
     passes.forward / passes.loss_and_grads   the reference's model-level passes in shards, with the
                                               blocks on stacked weights (block.py, stacked.py)
     decode.DecodeStep, DecodeCache            one token per row through the KV cache, fused
@@ -16,7 +17,8 @@ float64, 1e-10 relative, on hypothesis-drawn configs):
 
 It is built from the reference's own tables (parameter names and layer order from
 npllama.model, RoPE tables from npllama.ops.rope), and it owns every process-wide setting it
-changes (BLAS threads, its thread pool), restoring each on return. A reader can ignore it.
+changes: BLAS threads, restored on return; its thread pool and glibc's thresholds for handing
+freed memory back (memory.py), both made once and kept. A reader can ignore it.
 """
 
 from . import training
