@@ -11,9 +11,10 @@ attention) does the same with torch.optim.AdamW in two parameter groups and clip
 from the same initial weights and on the same batch.
 
 Speed: both sides in this one process, taking turns round by round (the order alternating), so
-whatever else runs on the machine slows both alike; each turn times a few steps. npllama runs
-with its defaults and with workers=1, PyTorch with 1 and 2 threads, and each side's faster
-setting counts: the median over rounds of its time per step, as tokens/s.
+whatever else runs on the machine slows both alike. Each turn runs one untimed step (the switch
+from the other side is paid there: waking thread pools, refilling caches), then times a few.
+npllama runs with its defaults and with workers=1, PyTorch with 1 and 2 threads, and each
+side's faster setting counts: the median over rounds of its time per step, as tokens/s.
 
 Memory: each side alone in a fresh process of its own (this script with --memory-probe). Model
 creation: the peak resident memory while the model is built, minus the resident memory after
@@ -130,6 +131,7 @@ def measure_speed(cfg, B, T, rounds, turn_seconds, use_torch, warmup=2):
     for r in range(rounds):
         order = list(steps) if r % 2 == 0 else list(reversed(steps))
         for name in order:
+            steps[name]()                     # untimed: the switch from the other side (waking its threads) is paid here
             t0 = time.perf_counter()
             for _ in range(per_turn[name]):
                 steps[name]()
