@@ -7,18 +7,20 @@ future are never touched, and the -inf mask is added to the (block, block) diago
 
 Layout. A kv head's R query heads are stacked along the rows ordered (t, r), row t*R + r, so
 the queries of a block are one contiguous row range for every group. The values carry a
-column of ones, v1 = [v | 1], so one matmul gives both the weighted sum and the softmax's
-denominator. Per block, with P = exp(S - rowmax(S)) left unnormalised and l = rowsum(P):
+column of ones, v1 = [v | 1], for backward. Per block, with P = exp(S - rowmax(S)) left
+unnormalised and l = rowsum(P):
 
-    forward    S = q k^T (+ diagonal mask),  [O | l] = P [v | 1],  out = O / l
+    forward    S = q k^T (+ diagonal mask),  O = P v,  l = P 1,  out = O / l
     backward   dO' = dout / l,  D' = rowsum(dout * out) / l              (FlashAttention-2's D)
                dS  = P * ([dO' | -D'] [v | 1]^T) = P * (dO' v^T - D')   = A * (dA - rowsum(dA * A))
                dq  = dS k,   dk += dS^T q,   dv += P^T dO'
 
 where A = P / l is the reference's att and dA = dout v^T. So the score-sized passes are four:
-the row max, the subtraction, the exp and, in backward, the product with P; the denominator and
-the D term ride in the matmuls. Blocks run from the last, which covers every key and so writes
-dk and dv whole, back to the first, which adds into their first rows.
+the row max, the subtraction, the exp and, in backward, the product with P. The row sum is a
+matrix-vector product (NumPy's sum over short rows is several times slower), and backward's D
+term rides in the dS matmul as one more column (forward keeps P v at width Dh: one more column
+there costs more than the matvec). Blocks run from the last, which covers every key and so
+writes dk and dv whole, back to the first, which adds into their first rows.
 
 q arrives scaled by 1/sqrt(Dh) and rotated (engine/training.py folds both into one pass), so
 the gradient returned is that of the scaled q, as in ops.attention. tests/engine/ checks this
@@ -84,17 +86,18 @@ def attention_forward(q, k, v1, out, *, block: int = BLOCK, keep_probs: bool = T
     row_max = np.empty((b, KVH, TR, 1), dtype=q.dtype)
     inv_sum = np.empty((b, KVH, TR, 1), dtype=q.dtype)
     probs = [] if keep_probs else None
+    ones = np.ones((T, 1), dtype=q.dtype)
     for s, e in blocks(T, block):
         rows = slice(s * R, e * R)
         P = _scores(q, k, s, e, R)
         np.max(P, axis=-1, keepdims=True, out=row_max[:, :, rows])
         P -= row_max[:, :, rows]
         np.exp(P, out=P)
-        Ol = P @ v1[:, :, :e]                                           # (b, KVH, n R, Dh + 1): [O | l]
-        np.divide(1.0, Ol[..., Dh:], out=inv_sum[:, :, rows])          # NumPy's divide is faster than its reciprocal
+        O = P @ v1[:, :, :e, :Dh]                                       # (b, KVH, n R, Dh)
+        np.matmul(P, ones[:e], out=inv_sum[:, :, rows])                 # l: a matvec, far faster than P.sum
+        np.divide(1.0, inv_sum[:, :, rows], out=inv_sum[:, :, rows])    # NumPy's divide beats its reciprocal
         n = e - s
-        np.multiply(Ol[..., :Dh].reshape(b, KVH, n, R, Dh), inv_sum[:, :, rows].reshape(b, KVH, n, R, 1),
-                    out=out[:, :, s:e])
+        np.multiply(O.reshape(b, KVH, n, R, Dh), inv_sum[:, :, rows].reshape(b, KVH, n, R, 1), out=out[:, :, s:e])
         if keep_probs:
             probs.append(P)
     return BlockAttentionCache(q, k, v1, probs, row_max, inv_sum, block)

@@ -49,6 +49,11 @@ def _executor(workers: int) -> ThreadPoolExecutor:
     return _EXECUTORS[workers]
 
 
+def n_shards(workers: int, batch_size: int, seq_len: int, dim: int) -> int:
+    """How many shards run_sharded cuts a (batch_size, seq_len) batch into."""
+    return min(batch_size, max(workers, -(-batch_size * seq_len * dim // SHARD_ACTIVATIONS)))
+
+
 def run_sharded(fn, workers: int, dim: int, *row_arrays, indexed: bool = False):
     """[fn(*shard) for contiguous shards of the arrays' rows], run on `workers` threads, in order.
 
@@ -58,9 +63,8 @@ def run_sharded(fn, workers: int, dim: int, *row_arrays, indexed: bool = False):
     indexed: call fn(j, *shard) with the shard's index j (0, 1, ... in row order).
     """
     B, T = row_arrays[0].shape[:2]
-    n_shards = min(B, max(workers, -(-B * T * dim // SHARD_ACTIVATIONS)))
     shards = [((j,) if indexed else ()) + tuple(a[rows] for a in row_arrays)
-              for j, rows in enumerate(np.array_split(np.arange(B), n_shards))]
+              for j, rows in enumerate(np.array_split(np.arange(B), n_shards(workers, B, T, dim)))]
     if workers == 1:
         return [fn(*shard) for shard in shards]
     with blas_threads(1):

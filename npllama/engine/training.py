@@ -41,7 +41,7 @@ from .blas import blas_threads
 from .decode import row_dot
 from .layout import FlatLayout
 from .memory import keep_freed_memory
-from .shards import resolve_workers, run_sharded
+from .shards import n_shards, resolve_workers, run_sharded
 from .stacked import StackedLayer
 
 LOG2_E = 1.0 / math.log(2.0)
@@ -61,38 +61,49 @@ class _Slot:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.done = 0            # shards whose term is in the array
-        self.pending = {}        # shard -> its term, waiting for the shards before it
+        self.done = 0            # terms in the array so far
+        self.pending = {}        # place in the order -> term, waiting for those before it
 
 
 class ShardSums:
-    """Each gradient slot = shard 0's term + shard 1's + ..., added in that order.
+    """Each gradient slot = the sum of every shard's term, added in one fixed order.
 
-    Shard 0 writes its term straight into the slot (a GEMM with out=); a later shard computes
-    its term aside and adds it once every shard before it has: the order of the additions, and
-    so the rounding, never depends on which thread gets there first.
+    The order starts at a shard that rotates with the slot (slot (i, name) of block i starts at
+    shard (i + SLOT_NAMES.index(name)) mod n) and goes on cyclically. The first shard in a slot's
+    order writes its term straight into the slot (a GEMM with out=); every later one computes
+    its term aside and adds it once the shards before it in that order have: the order of the
+    additions, and so the rounding, never depends on which thread gets there first, and the
+    terms computed aside (the extra memory traffic) fall on every shard alike.
     """
 
-    def __init__(self):
+    def __init__(self, n_shards: int):
+        self.n_shards = n_shards
         self._slots: dict = {}
         self._lock = threading.Lock()
 
-    def put(self, key, dst: np.ndarray, shard: int, term) -> None:
-        """dst (+)= term(out): term writes into out (shard 0: dst itself) or, given None, returns an array."""
+    def put(self, key: tuple, dst: np.ndarray, shard: int, term) -> None:
+        """dst (+)= term(out) for key (i, name): term writes into out (the first shard in the slot's
+        order: dst itself) or, given None, returns an array."""
         with self._lock:
             slot = self._slots.setdefault(key, _Slot())
-        if shard == 0:
+        i, name = key
+        rank = (shard - i - SLOT_NAMES.index(name)) % self.n_shards      # its place in this slot's order
+        if rank == 0:
             term(dst)
         else:
             value = term(None)
         with slot.lock:
-            if shard == 0:
+            if rank == 0:
                 slot.done = 1
             else:
-                slot.pending[shard] = value
+                slot.pending[rank] = value
             while slot.done in slot.pending:
                 dst += slot.pending.pop(slot.done)
                 slot.done += 1
+
+
+# A block's gradient slots, and the model's (block index n_layers), in the order ShardSums rotates
+SLOT_NAMES = ("w2", "w13", "ffn_norm", "wo", "wqkv", "attention_norm", "output", "norm", "embedding")
 
 
 def _product(a, b):
@@ -272,14 +283,14 @@ def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, block, keep
 
 
 def block_backward(dout, c: BlockCache, w: StackedLayer, dw: StackedLayer, s: Shape, rot: Rotations,
-                   sums: ShardSums, shard: int, key):
+                   sums: ShardSums, shard: int, layer: int):
     """model.block_backward: dx (N, D); the weights' gradients go into dw's slots through sums."""
     b, T, H, KVH, Dh, F = s
     R, Hn = H // KVH, H + 2 * KVH
     # undo out = h + w2(silu(gate) * up)
     silu, up = c.silu_up[:, :F], c.silu_up[:, F:]
     g = silu * up
-    sums.put((key, "w2"), dw.w2, shard, _product(dout.T, g))
+    sums.put((layer, "w2"), dw.w2, shard, _product(dout.T, g))
     dg = dout @ w.w2                                                     # (N, D) -> (N, F)
     dgu = np.empty_like(c.silu_up)                                       # [dgate | dup], the w13 layout
     np.multiply(dg, silu, out=dgu[:, F:])                                # dup = dg silu(gate)
@@ -292,15 +303,15 @@ def block_backward(dout, c: BlockCache, w: StackedLayer, dw: StackedLayer, s: Sh
     del g, dg
     hn = c.h * c.rstd2
     hn *= w.ffn_norm
-    sums.put((key, "w13"), dw.w13, shard, _product(dgu.T, hn))
+    sums.put((layer, "w13"), dw.w13, shard, _product(dgu.T, hn))
     del hn
     dhn = dgu @ w.w13                                                    # sums the gate and up branches
     del dgu
     dh, dnorm = rms_backward(dhn, c.h, c.rstd2, w.ffn_norm)
-    sums.put((key, "ffn_norm"), dw.ffn_norm, shard, _value(dnorm))
+    sums.put((layer, "ffn_norm"), dw.ffn_norm, shard, _value(dnorm))
     dh += dout                                                           # residual: skip + branch
     # undo h = x + wo(attention(...))
-    sums.put((key, "wo"), dw.wo, shard, _product(dh.T, c.att))
+    sums.put((layer, "wo"), dw.wo, shard, _product(dh.T, c.att))
     datt = dh @ w.wo                                                     # (N, D) -> (N, H*Dh)
     dqkv = np.empty((b, T, Hn, Dh), dtype=dout.dtype)
     dq, dk = attention_backward(datt.reshape(b, T, KVH, R, Dh), c.att.reshape(b, T, KVH, R, Dh),
@@ -316,12 +327,12 @@ def block_backward(dout, c: BlockCache, w: StackedLayer, dw: StackedLayer, s: Sh
     dqkv = dqkv.reshape(b * T, Hn * Dh)
     xn = c.x * c.rstd1
     xn *= w.attention_norm
-    sums.put((key, "wqkv"), dw.wqkv, shard, _product(dqkv.T, xn))
+    sums.put((layer, "wqkv"), dw.wqkv, shard, _product(dqkv.T, xn))
     del xn
     dxn = dqkv @ w.wqkv                                                  # sums the q, k and v branches
     del dqkv
     dx, dnorm = rms_backward(dxn, c.x, c.rstd1, w.attention_norm)
-    sums.put((key, "attention_norm"), dw.attention_norm, shard, _value(dnorm))
+    sums.put((layer, "attention_norm"), dw.attention_norm, shard, _value(dnorm))
     dx += dh                                                             # residual: skip + branch
     return dx
 
@@ -367,19 +378,19 @@ def shard_loss_and_grads(step: Step, shard: int, tokens, targets) -> float:
         dxn = dlogits @ w_out
         dw_out = dlogits.T @ xn                                          # kept: the embedding adds into it
     else:
-        step.sums.put("output", gviews[out_name], shard, _product(dlogits.T, xn))
+        step.sums.put((cfg.n_layers, "output"), gviews[out_name], shard, _product(dlogits.T, xn))
         dxn = dlogits @ w_out
     del logits, dlogits, xn
     dx, dnorm = rms_backward(dxn, x, rstd, views["norm.weight"])
-    step.sums.put("norm", gviews["norm.weight"], shard, _value(dnorm))
+    step.sums.put((cfg.n_layers, "norm"), gviews["norm.weight"], shard, _value(dnorm))
     for i in reversed(range(cfg.n_layers)):
         dx = block_backward(dx, caches.pop(), step.layers[i], step.dlayers[i], s, rot, step.sums, shard, i)
     demb = gviews["tok_embeddings.weight"]
     if cfg.tie_embeddings:                  # one matrix read twice: the output's term plus the embedding's
         add_rows(dw_out, ids, dx)
-        step.sums.put("embedding", demb, shard, _value(dw_out))
+        step.sums.put((cfg.n_layers, "embedding"), demb, shard, _value(dw_out))
     else:
-        step.sums.put("embedding", demb, shard, embedding_term(ids, dx, cfg.vocab_size))
+        step.sums.put((cfg.n_layers, "embedding"), demb, shard, embedding_term(ids, dx, cfg.vocab_size))
     return loss
 
 
@@ -397,6 +408,7 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
     if n_valid == 0:
         raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
+    workers = resolve_workers(workers, *tokens.shape, config.dim)
     keep_freed_memory()                     # once per process: no page faults for each step's arrays
     layout = FlatLayout(config)
     flat = layout.base_of(params)
@@ -408,10 +420,9 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     step = Step(config, layout.views(flat), layout.views(grads),
                 [layout.stacked(flat, i) for i in range(config.n_layers)],
                 [layout.stacked(grads, i) for i in range(config.n_layers)],
-                rotations(rope, tokens.shape[1], config.head_dim), n_valid, ShardSums(),
+                rotations(rope, tokens.shape[1], config.head_dim), n_valid, ShardSums(n_shards(workers, *tokens.shape, config.dim)),
                 BLOCK if block is None else block,
                 tokens.shape[1] <= KEEP_PROBS_MAX_T if keep_probs is None else keep_probs)
-    workers = resolve_workers(workers, *tokens.shape, config.dim)
     # One BLAS thread throughout, also with one worker: at these sizes OpenBLAS's second thread
     # costs more in hand-offs than it adds (a 1024 x 128 x 704 GEMM: 94 GF/s alone, 23 on two).
     with blas_threads(1):

@@ -69,7 +69,8 @@ def test_parameters_not_in_the_flat_layout_are_trained_right():
 
 
 def test_the_sums_order_is_fixed_so_threads_never_change_a_bit(monkeypatch):
-    """Many shards on two threads, again and again, and on one thread: the same bits every time."""
+    """Many shards on two threads, again and again, and on one thread: the same bits every time
+    (each slot's order starts at another shard, so this also checks that rotation)."""
     monkeypatch.setattr(shards, "MIN_SHARDED_ACTIVATIONS", 1)
     monkeypatch.setattr(shards, "SHARD_ACTIVATIONS", 1)           # one shard per row: 9 shards
     model = npllama.Llama(CFG.replace(tie_embeddings=True), seed=4)
