@@ -19,6 +19,7 @@ import numpy as np
 from . import engine, generate as generation, memory
 from .checks import check_dtype, check_int
 from .config import LlamaConfig
+from .engine.layout import FlatLayout, flat_params
 from .engine.lora import freeze_stacked, lora_blocks
 from .engine.passes import stacked_blocks
 from .engine.recompute import recomputed
@@ -38,7 +39,9 @@ class Llama:
         memory.require(memory.model_bytes(config, dtype.itemsize),
                        f"a {dtype.name} model of {config.n_params():,} parameters",
                        "choose a smaller dim, n_layers, vocab_size or max_seq_len")
-        self._setup(config, init_params(config, seed, dtype), dtype)
+        # the parameters are views of one flat array, which the training engine reads and writes
+        # without copies (engine/layout.py); init_params draws straight into them
+        self._setup(config, init_params(config, seed, dtype, out=flat_params(config, dtype)), dtype)
 
     def _setup(self, config: LlamaConfig, params: dict, dtype: np.dtype) -> None:
         self.config = config
@@ -123,18 +126,22 @@ class Llama:
     def loss_and_grads(self, tokens, targets, workers=None):
         """Mean cross-entropy of the targets (ignoring -100) and its gradient for every parameter.
 
-        tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params).
+        tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params;
+            its arrays are views of one new flat array, so a later call never overwrites them).
+        The first call on a loaded model moves its parameters into one flat array (the same values;
+        model.params then holds views of it): arrays taken from model.params before are copies.
         workers: threads sharing contiguous shards of the batch rows (default: one per CPU core, at
-            most B; one for small steps); see npllama.engine.passes. The result depends on
-            `workers` only through rounding; pass workers=1 for sums in one order on every machine.
+            most B; one for small steps); see npllama.engine.training. The shards' terms are summed
+            in shard order, so a call gives the same bits whatever the threads' timing; the number
+            of shards (and so the rounding) depends on `workers` and the batch's size only.
         """
         tokens = check_tokens(tokens, self.config)
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
             raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
         self._require_pass(tokens, workers, grads=True)
-        return engine.loss_and_grads(self.params, self.config, self.rope, tokens, targets, workers=workers,
-                                     blocks=self._blocks())
+        return engine.training.loss_and_grads(self._flat_params(), self.config, self.rope, tokens, targets,
+                                              workers=workers, recompute=self.gradient_checkpointing)
 
     def _require_pass(self, tokens: np.ndarray, workers, grads: bool) -> None:
         """Refuse a batch whose activations cannot fit (npllama.memory), before computing it."""
@@ -142,6 +149,17 @@ class Llama:
         rows, shards = engine.pass_footprint(B, T, self.config.dim, workers)
         memory.require(memory.pass_bytes(self.config, B, rows, T, self.dtype.itemsize, shards if grads else 0),
                        f"{'loss_and_grads' if grads else 'forward'} on {B} x {T} tokens", "a smaller batch")
+
+    def _flat_params(self) -> dict:
+        """self.params, made views of one flat array if they are not yet (a loaded model), which the
+        training pass reads and writes without copies (engine/layout.py). The same values in the
+        same dict: an optimizer built on model.params goes on updating them."""
+        if FlatLayout(self.config).base_of(self.params) is None:
+            flat = flat_params(self.config, self.dtype)
+            for name, view in flat.items():
+                view[...] = self.params[name]
+            self.params.update(flat)
+        return self.params
 
     def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
                  seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False,

@@ -34,6 +34,7 @@ from .config import LlamaConfig
 from .errors import MemoryLimitError
 
 GiB = 1 << 30
+INIT_CHUNK_BYTES = 8 << 13    # the float64 draws init_params holds at once (model.INIT_CHUNK of them)
 # Below this an estimate is not checked: reading /proc costs ~20 us, more than a decode step's
 # worth of small allocations is ever at stake.
 CHECK_FLOOR = 64 << 20
@@ -48,10 +49,9 @@ def rope_bytes(config: LlamaConfig, itemsize: int) -> int:
 
 
 def model_bytes(config: LlamaConfig, itemsize: int) -> int:
-    """A model's parameters and RoPE tables; plus, while a fresh one is initialised, the float64
-    draw of its largest matrix (init_params draws in float64, then rounds)."""
-    largest = max(config.vocab_size, config.hidden_dim) * config.dim
-    return config.n_params() * itemsize + rope_bytes(config, itemsize) + 2 * 8 * largest
+    """A model's parameters and RoPE tables; plus, while a fresh one is initialised, one float64
+    chunk of its draw (init_params draws in bounded chunks, then rounds into the parameters)."""
+    return config.n_params() * itemsize + rope_bytes(config, itemsize) + INIT_CHUNK_BYTES
 
 
 def kv_cache_bytes(config: LlamaConfig, batch_size: int, itemsize: int) -> int:
@@ -60,14 +60,16 @@ def kv_cache_bytes(config: LlamaConfig, batch_size: int, itemsize: int) -> int:
     return batch_size * per_row * itemsize
 
 
-def activation_bytes(config: LlamaConfig, rows: int, seq_len: int, itemsize: int) -> int:
+def activation_bytes(config: LlamaConfig, rows: int, seq_len: int, itemsize: int, causal_half: bool = False) -> int:
     """The caches of a forward of `rows` windows of seq_len tokens, kept for the backward.
-
     Per layer and token they hold ~8 vectors of D, 6 of F and 3 of the q/k/v width, plus the
-    attention probabilities (rows, H, T, T); one layer's temporaries add two more of those.
+    attention probabilities (rows, H, T, T), of which the training pass keeps the causal half
+    (causal_half: engine/attention.py's blocks); one layer's temporaries add two more of those.
     """
     D, F, H, KVH, Dh = config.dim, config.hidden_dim, config.n_heads, config.n_kv_heads, config.head_dim
     tokens, scores = rows * seq_len, rows * H * seq_len * seq_len
+    if causal_half:
+        scores //= 2
     per_layer = tokens * (8 * D + 6 * F + 3 * (H + 2 * KVH) * Dh) + scores
     return itemsize * (config.n_layers * per_layer + 2 * scores)
 
@@ -76,13 +78,18 @@ def pass_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_le
                partial_grads: int = 0) -> int:
     """A forward (partial_grads=0) or a forward and backward (partial_grads: the shards, each with
     its own gradients until they are summed) over batch_size windows of an existing model, of
-    which rows_in_flight are processed at once: the engine's stacked copy of the weights, the
-    partial gradients, the activations, and four arrays of logits' size (N, V): in a backward
-    the logits, softmax and gradient of the rows in flight; in a forward the whole batch's,
-    gathered from the shards, concatenated, and what its caller's loss makes of them."""
+    which rows_in_flight are processed at once. A forward (engine.passes): the engine's stacked
+    copy of the weights, the activations, and four arrays of logits' size (N, V): the whole
+    batch's, gathered from the shards, concatenated, and what its caller's loss makes of them.
+    A training pass (engine.training): the shards' gradients, the activations with the causal
+    half of the attention probabilities, and the logits of the rows in flight, whose softmax and
+    gradient are computed in place (two arrays of their size)."""
     params = config.n_params() * itemsize
-    logits = 4 * (rows_in_flight if partial_grads else batch_size) * seq_len * config.vocab_size * itemsize
-    return (1 + partial_grads) * params + activation_bytes(config, rows_in_flight, seq_len, itemsize) + logits
+    if not partial_grads:
+        logits = 4 * batch_size * seq_len * config.vocab_size * itemsize
+        return params + activation_bytes(config, rows_in_flight, seq_len, itemsize) + logits
+    logits = 2 * rows_in_flight * seq_len * config.vocab_size * itemsize
+    return partial_grads * params + activation_bytes(config, rows_in_flight, seq_len, itemsize, True) + logits
 
 
 def training_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_len: int, itemsize: int,

@@ -135,25 +135,41 @@ def check_tokens(tokens, config: LlamaConfig, name: str = "tokens", allow_ignore
     return arr.astype(np.int64, copy=False)
 
 
-def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+# Normal draws made at a time by init_params: 64 KB of float64, whatever the model's size.
+INIT_CHUNK = 1 << 13
+
+
+def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32, out: dict | None = None) -> dict[str, np.ndarray]:
     """Weights ~ Normal(0, 0.02), norms = 1, as GPT-2 / llama2.c initialise.
 
     The two projections that write into the residual stream (wo, w2) get std 0.02 / sqrt(2 L),
     so the stream's variance does not grow with depth (GPT-2 paper, section 2.3). llama2.c's
     model.py scales w3 instead of w2; w2 is the one on the residual path.
-    Values are drawn in float64 in the order of config.param_shapes() and then rounded, so a
-    float32 and a float64 model of the same seed hold the same numbers up to rounding.
+    Values are drawn in float64 in the order of config.param_shapes(), INIT_CHUNK at a time
+    (a generator gives the same stream however its draws are cut), scaled in float64 and then
+    rounded into the parameter: a float32 and a float64 model of the same seed hold the same
+    numbers up to rounding, and no float64 copy of a whole matrix is ever made.
+    out: the arrays to fill, by name (e.g. views of one flat array); by default new ones.
     """
     dtype = check_dtype(dtype)
     rng = np.random.default_rng(seed)
     residual_std = 0.02 / math.sqrt(2 * config.n_layers)
-    params = {}
+    params = {} if out is None else out
+    draws = np.empty(INIT_CHUNK)
     for name, shape in config.param_shapes().items():
+        p = params[name] if out is not None else np.empty(shape, dtype=dtype)
+        params[name] = p
         if name.endswith("norm.weight"):
-            params[name] = np.ones(shape, dtype=dtype)
+            p[...] = 1
             continue
         std = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0.02
-        params[name] = (rng.standard_normal(shape) * std).astype(dtype)
+        assert p.flags.c_contiguous and p.shape == shape and p.dtype == dtype, f"{name}: {p.shape} {p.dtype}"
+        flat = p.reshape(-1)                                     # a view, since p is contiguous
+        for start in range(0, flat.size, INIT_CHUNK):
+            chunk = draws[:min(INIT_CHUNK, flat.size - start)]
+            rng.standard_normal(out=chunk)
+            chunk *= std
+            flat[start:start + chunk.size] = chunk
     return params
 
 

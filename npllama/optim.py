@@ -15,7 +15,7 @@ parameter arrays in place, so `model.params` always holds the current weights.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import numpy as np
 
@@ -97,31 +97,16 @@ class AdamW:
         self._check_grads(grads)
         lr = self.lr if lr is None else check_real("lr", lr, 0.0)
         self.step_count += 1
-        t = self.step_count
-        beta1, beta2, eps = self.beta1, self.beta2, self.eps
-        step_size = lr / (1.0 - beta1 ** t)
-        inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - beta2 ** t)
-        decay = 1.0 - lr * self.weight_decay
+        scalars = self.step_scalars(lr)
         for name, p in self.params.items():
-            g, m, v, s = grads[name], self.exp_avg[name], self.exp_avg_sq[name], self._scratch[name]
-            if self.decayed[name] and decay != 1.0:
-                p *= decay
-            # m <- m + (1 - beta1) * (g - m), torch's lerp form of beta1 * m + (1 - beta1) * g
-            np.subtract(g, m, out=s)
-            s *= 1.0 - beta1
-            m += s
-            # v <- beta2 * v + (1 - beta2) * g^2
-            np.multiply(g, g, out=s)
-            s *= 1.0 - beta2
-            v *= beta2
-            v += s
-            # p <- p - step_size * m / (sqrt(v) / sqrt(bc2) + eps)
-            np.sqrt(v, out=s)
-            s *= inv_sqrt_bc2
-            s += eps
-            np.divide(m, s, out=s)
-            s *= step_size
-            p -= s
+            adamw_update(p, grads[name], self.exp_avg[name], self.exp_avg_sq[name], self._scratch[name],
+                         self.decayed[name], scalars)
+
+    def step_scalars(self, lr: float) -> "StepScalars":
+        """The numbers of the update at step t = self.step_count with this lr."""
+        t = self.step_count
+        return StepScalars(self.beta1, self.beta2, self.eps, lr / (1.0 - self.beta1 ** t),
+                           1.0 / math.sqrt(1.0 - self.beta2 ** t), 1.0 - lr * self.weight_decay)
 
     def state_dict(self) -> dict:
         """A flat dict of python scalars and array copies that load_state_dict restores exactly.
@@ -186,6 +171,43 @@ class AdamW:
         self.step_count = int(step)
         for key, value in hyper.items():
             setattr(self, key, value)
+
+
+class StepScalars(NamedTuple):
+    """The scalars of one AdamW step t (the same for every array)."""
+    beta1: float
+    beta2: float
+    eps: float
+    step_size: float         # lr / (1 - beta1**t)
+    inv_sqrt_bc2: float      # 1 / sqrt(1 - beta2**t)
+    decay: float             # 1 - lr * weight_decay
+
+
+def adamw_update(p, g, m, v, s, decayed: bool, c: StepScalars) -> None:
+    """One AdamW update of p (an array, or any piece of one) in place, given its gradient g.
+
+    m, v: its moments, updated in place; s: a scratch array of p's shape; decayed: whether
+    weight decay applies (matrices only). The same operations, in the same order, for every
+    element, so updating an array whole or piece by piece gives the same bits.
+    """
+    if decayed and c.decay != 1.0:
+        p *= c.decay
+    # m <- m + (1 - beta1) * (g - m), torch's lerp form of beta1 * m + (1 - beta1) * g
+    np.subtract(g, m, out=s)
+    s *= 1.0 - c.beta1
+    m += s
+    # v <- beta2 * v + (1 - beta2) * g^2
+    np.multiply(g, g, out=s)
+    s *= 1.0 - c.beta2
+    v *= c.beta2
+    v += s
+    # p <- p - step_size * m / (sqrt(v) / sqrt(bc2) + eps)
+    np.sqrt(v, out=s)
+    s *= c.inv_sqrt_bc2
+    s += c.eps
+    np.divide(m, s, out=s)
+    s *= c.step_size
+    p -= s
 
 
 def _l2_norm(x: np.ndarray) -> float:

@@ -61,3 +61,36 @@ def tiny_config(request):
     if request.param == "tied":
         kw.update(n_kv_heads=1, tie_embeddings=True)
     return npllama.LlamaConfig(**kw)
+
+
+WORDS = ("thou art the king of all that lies beneath heaven and earth my lord good night sweet prince "
+         "what light through yonder window breaks").split()
+
+
+def synthetic_text(n_chars=30000, seed=0):
+    """Seeded pseudo-verse: lines of words from a small vocabulary, with a speaker tag."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    while sum(map(len, lines)) < n_chars:
+        speaker = ["ROMEO:", "JULIET:", "KING:"][rng.integers(3)]
+        body = " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), rng.integers(4, 10)))
+        lines.append(f"{speaker}\n{body.capitalize()}.\n")
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A 30,000-character file of synthetic verse, for training runs."""
+    path = tmp_path / "verse.txt"
+    path.write_text(synthetic_text())
+    return path
+
+
+def tiny_cfg(text_file, out_dir, **kw):
+    """A two-layer training config on `text_file` that runs in well under a second."""
+    from npllama.train import TrainConfig
+    base = dict(data=str(text_file), dim=16, n_layers=2, n_heads=2, seq_len=16, batch_size=4, lr=3e-3,
+                min_lr=3e-4, warmup_steps=3, max_steps=12, eval_interval=4, eval_batches=2, sample_tokens=0,
+                out_dir=str(out_dir), seed=7)
+    base.update(kw)
+    return TrainConfig(**base)

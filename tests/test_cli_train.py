@@ -4,7 +4,6 @@ import dataclasses
 import importlib.util
 import json
 
-import numpy as np
 import pytest
 
 import npllama

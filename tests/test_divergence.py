@@ -10,7 +10,7 @@ from npllama.train import TrainingDiverged, train
 from npllama.train.checkpoint import load_train_checkpoint, load_train_state
 from npllama.train.divergence import DivergenceWatch
 
-from .test_train import text_file, tiny_cfg  # noqa: F401  (text_file is a fixture)
+from .conftest import tiny_cfg
 
 
 def noisy_curve(steps, noise, seed, start=math.log(65), floor=1.3):

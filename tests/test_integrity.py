@@ -21,7 +21,7 @@ from npllama.tokenizers import CharTokenizer
 from npllama.train import train
 from npllama.train.checkpoint import load_train_checkpoint, load_train_state
 
-from .test_train import text_file, tiny_cfg  # noqa: F401  (text_file is a fixture)
+from .conftest import tiny_cfg
 
 
 def header_and_data(path):

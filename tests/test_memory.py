@@ -24,7 +24,7 @@ from npllama.io.llama2c import LLAMA2C_MAGIC
 from npllama.io.safetensors import read_safetensors, write_safetensors_atomic
 from npllama.train import train
 
-from .test_train import text_file, tiny_cfg  # noqa: F401  (text_file is a fixture)
+from .conftest import tiny_cfg
 
 MiB = 1 << 20
 
@@ -75,6 +75,10 @@ def test_estimates_hold_against_traced_peaks(dim, layers, heads, kv, vocab, batc
     assert 0.3 <= peak / memory.pass_bytes(cfg, batch, rows, seq, itemsize) <= 1.3, peak
     _, peak = peak_of(lambda: model.new_kv_cache(3))
     assert 0.9 <= peak / memory.kv_cache_bytes(cfg, 3, itemsize) <= 1.1
+
+
+def test_the_init_chunk_is_the_one_model_draws():
+    assert memory.INIT_CHUNK_BYTES == 8 * npllama.model.INIT_CHUNK
 
 
 def test_a_model_too_big_is_refused_before_allocating():

@@ -317,7 +317,7 @@ def _byte_level_json() -> str:
 
 @given(text=st.text(st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="<"), max_size=30))
 def test_fallback_through_the_tokenizers_library(text):
-    import tokenizers
+    tokenizers = pytest.importorskip("tokenizers", reason="the `tokenizers` package is not installed")
     d = _byte_level_json()
     tok = hf_tokenizer(d, {"eos_token": "<|eos|>"})
     assert isinstance(tok, LibraryHFTokenizer)

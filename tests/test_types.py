@@ -13,7 +13,7 @@ from npllama.train import train
 from npllama.train.checkpoint import load_train_checkpoint, rng_from_state
 
 from .test_integrity import rewrite_header
-from .test_train import text_file, tiny_cfg  # noqa: F401  (text_file is a fixture)
+from .conftest import tiny_cfg
 
 WRONG = {"list": [1], "dict": {"a": 1}, "null": None, "string": "16", "bool": True}
 

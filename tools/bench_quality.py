@@ -46,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from npllama import Llama  # noqa: E402
 from npllama.train import data as data_mod  # noqa: E402
-from npllama.optim import AdamW, lr_at  # noqa: E402
+from npllama.engine import FusedAdamW  # noqa: E402
+from npllama.optim import lr_at  # noqa: E402
 from npllama.train.config import PRESETS, preset  # noqa: E402
 from npllama.train.data import prepare_data  # noqa: E402
 from npllama.train.loop import estimate_loss, train_step  # noqa: E402
@@ -123,8 +124,8 @@ def make_side(name: str, cfg, corpus, eval_batches: int) -> Side:
 
     if name == "npllama":
         model = init
-        opt = AdamW(model.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                    weight_decay=cfg.weight_decay)
+        opt = FusedAdamW(model.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                         weight_decay=cfg.weight_decay)        # the optimizer `npllama train` steps with
 
         def step(lr):
             batches = [data_mod.get_batch(corpus.train_ids, B, T, rng) for _ in range(A)]

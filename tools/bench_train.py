@@ -1,126 +1,278 @@
-"""Training-step speed: npllama (NumPy) against an equal PyTorch eager model, in the same run.
+"""Training speed and memory: npllama against an equal PyTorch eager model, per configuration.
 
-Times one full training step, forward + backward (and, separately, the AdamW update), for the
-two configurations of issue 2, and prints tokens/s for both and their ratio (npllama / torch).
+    python tools/bench_train.py                      # the default preset's shape and cfgs a, b, c, k
+    python tools/bench_train.py --configs b c        # some of them
+    python tools/bench_train.py --quick              # small shapes, under 30 s (CI)
+    python tools/bench_train.py --no-memory --rounds 9
 
-    python tools/bench_train.py                 # both configs, 2 warm-up + 5 timed steps each
-    python tools/bench_train.py --steps 10 --config small
-    python tools/bench_train.py --threads 1       # both sides on one core
+A step is what `npllama train` runs: forward, backward, gradient clipping (norm 1.0) and the
+AdamW update (decay on matrices only); PyTorch's (tools/torch_llama.py, scaled_dot_product_
+attention) does the same with torch.optim.AdamW in two parameter groups and clip_grad_norm_,
+from the same initial weights and on the same batch.
 
-Run it on an otherwise idle machine: with the cores shared, multi-threaded BLAS and OpenMP
-(torch) lose far more than their share, and the ratio measures the contention, not the code.
+Speed: both sides in this one process, taking turns round by round (the order alternating), so
+whatever else runs on the machine slows both alike. Each turn runs one untimed step (the switch
+from the other side is paid there: waking thread pools, refilling caches), then times a few.
+npllama runs with its defaults and with workers=1, PyTorch with 1 and 2 threads, and each
+side's faster setting counts: the median over rounds of its time per step, as tokens/s.
 
-Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU):
-    config  small: dim 128, 4 layers, 4 heads, 4 kv heads, seq 128, batch 32, vocab 65 (0.8M params)
-      npllama  fwd+bwd  ... tokens/s
-      torch    fwd+bwd  ... tokens/s
-      ratio (npllama / torch): ...
+Memory: each side alone in a fresh process of its own (this script with --memory-probe). Model
+creation: the peak resident memory while the model is built, minus the resident memory after
+the imports and a warm-up on a tiny model (which pages the libraries' code in). Training: the
+peak while the optimizer is built and two steps run, minus the resident memory after the model
+was built (Linux: VmHWM, reset through /proc/self/clear_refs).
+
+Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU; load average before and after each):
+  cfg      shape                                    tokens/s npllama / torch (ratio)   peak MB npllama / torch (ratio)   create MB (x params)
+  default  dim 128, 4 layers, 4/4 heads, T 64, B 16 ...
+Exit code 0 once it has measured (ratios are reported, not asserted); 2 without torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-import npllama
-from npllama.engine.blas import get_blas_threads, set_blas_threads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import npllama  # noqa: E402
+from npllama.engine import FusedAdamW  # noqa: E402
+
+# name -> (LlamaConfig fields, batch B, sequence T)
 CONFIGS = {
-    "small": (dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=65, max_seq_len=128), 32, 128),
-    "medium": (dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=65, max_seq_len=256), 16, 256),
+    "default": (dict(dim=128, n_layers=4, n_heads=4, vocab_size=65, max_seq_len=64), 16, 64),
+    "a": (dict(dim=128, n_layers=4, n_heads=4, vocab_size=65, max_seq_len=128), 32, 128),
+    "b": (dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=65, max_seq_len=256), 16, 256),
+    "c": (dict(dim=288, n_layers=6, n_heads=6, vocab_size=4096, max_seq_len=256), 8, 256),
+    "k": (dict(dim=768, n_layers=12, n_heads=16, n_kv_heads=8, vocab_size=6144, tie_embeddings=True,
+               max_seq_len=512), 2, 512),
 }
+QUICK_CONFIGS = {
+    "quick": (dict(dim=64, n_layers=2, n_heads=4, vocab_size=65, max_seq_len=64), 8, 64),
+    "quick-gqa": (dict(dim=96, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=300, tie_embeddings=True,
+                       max_seq_len=96), 4, 96),
+}
+HYPER = dict(lr=1e-4, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+CLIP = 1.0
+MB = 1 << 20
 
 
-def best_time(fn, steps, warmup):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def bench_numpy(cfg, B, T, steps, warmup, threads):
-    model = npllama.Llama(cfg, seed=0)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (B, T))
-    targets = rng.integers(0, cfg.vocab_size, (B, T))
-    # threads=None: npllama's defaults (one batch shard per core, each with one BLAS thread).
-    # threads=n: n shards, and n BLAS threads for whatever runs outside them.
-    if threads is not None:
-        set_blas_threads(threads)
-    fwd_bwd = best_time(lambda: model.loss_and_grads(tokens, targets, workers=threads), steps, warmup)
-    opt_time = None
-    if hasattr(npllama, "AdamW"):
-        _, grads = model.loss_and_grads(tokens, targets)
-        opt = npllama.AdamW(model.params, lr=1e-4)
-        opt_time = best_time(lambda: opt.step(grads), steps, warmup)
-    return model, tokens, targets, fwd_bwd, opt_time
+def batch(cfg, B, T, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, cfg.vocab_size, (B, T)), rng.integers(0, cfg.vocab_size, (B, T))
 
 
-def bench_torch(model, tokens, targets, steps, warmup):
+# ---- the two sides' training steps -----------------------------------------------------------------
+
+def npllama_step(model, tokens, targets, workers=None):
+    """One `npllama train` step (train.loop.train_step's work) as a closure."""
+    opt = FusedAdamW(model.params, **HYPER)
+
+    def step():
+        _, grads = model.loss_and_grads(tokens, targets, workers=workers)
+        npllama.clip_grad_norm(grads, CLIP)
+        opt.step(grads)
+    return step
+
+
+def torch_step(tm, tokens, targets, threads=None):
     import torch
-    sys.path.insert(0, os.path.dirname(__file__))
-    from torch_llama import TorchLlama
-    tm = TorchLlama.from_npllama(model)
+    decay = [p for p in tm.parameters() if p.ndim >= 2]
+    no_decay = [p for p in tm.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
     x, y = torch.from_numpy(tokens), torch.from_numpy(targets)
 
     def step():
-        tm.zero_grad(set_to_none=True)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        opt.zero_grad(set_to_none=True)
         tm(x, y).backward()
-
-    fwd_bwd = best_time(step, steps, warmup)
-    opt = torch.optim.AdamW(tm.parameters(), lr=1e-4)
-    step()
-    opt_time = best_time(opt.step, steps, warmup)
-    return fwd_bwd, opt_time
+        torch.nn.utils.clip_grad_norm_(tm.parameters(), CLIP)
+        opt.step()
+    return step
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", choices=["small", "medium", "both"], default="both")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--no-torch", action="store_true", help="time npllama only")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="threads for both sides (torch.set_num_threads; npllama shards and BLAS threads); "
-                             "default: each library's own default")
-    args = parser.parse_args(argv)
+# ---- speed: interleaved rounds in this process -------------------------------------------------------
+
+def measure_speed(cfg, B, T, rounds, turn_seconds, use_torch, warmup=2):
+    """{setting: median seconds per step} over interleaved rounds (module docstring)."""
+    tokens, targets = batch(cfg, B, T)
+    model = npllama.Llama(cfg, seed=0)
+    steps = {"npllama": npllama_step(model, tokens, targets),
+             "npllama workers=1": npllama_step(npllama.Llama(cfg, seed=0), tokens, targets, workers=1)}
+    if use_torch:
+        from torch_llama import TorchLlama
+        for threads in (1, 2):
+            steps[f"torch {threads} thread{'s' if threads > 1 else ''}"] = torch_step(
+                TorchLlama.from_npllama(model), tokens, targets, threads)
+    per_turn = {}
+    for name, step in steps.items():          # warm up (PyTorch sets itself up lazily), then size the turns
+        for _ in range(warmup):
+            step()
+        t0 = time.perf_counter()
+        step()
+        per_turn[name] = max(1, min(20, round(turn_seconds / max(time.perf_counter() - t0, 1e-6))))
+    times = {name: [] for name in steps}
+    for r in range(rounds):
+        order = list(steps) if r % 2 == 0 else list(reversed(steps))
+        for name in order:
+            steps[name]()                     # untimed: the switch from the other side (waking its threads) is paid here
+            t0 = time.perf_counter()
+            for _ in range(per_turn[name]):
+                steps[name]()
+            times[name].append((time.perf_counter() - t0) / per_turn[name])
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+# ---- memory: one side alone in a fresh process ---------------------------------------------------------
+
+def _status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def memory_probe(side, name, quick):
+    """Runs in its own process: prints JSON {create, train} in bytes (module docstring)."""
+    kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
+    cfg = npllama.LlamaConfig(**kw)
+    tokens, targets = batch(cfg, B, T)
+    if side == "torch":
+        import torch
+        from torch_llama import TorchLlama
+        torch.set_num_threads(2)
+    build = (lambda c: npllama.Llama(c, seed=0)) if side == "npllama" else TorchLlama
+    train = npllama_step if side == "npllama" else torch_step
+    # first a tiny model, built and trained a step: the libraries' code and tables are paged in
+    # then, and not counted below
+    tiny = npllama.LlamaConfig(dim=16, n_layers=1, n_heads=2, vocab_size=cfg.vocab_size, max_seq_len=8)
+    train(build(tiny), *batch(tiny, 2, 8))()
+    start = _status("VmRSS")
+    _reset_peak()
+    model = build(cfg)
+    create = _status("VmHWM") - start
+    after_create = _status("VmRSS")
+    _reset_peak()
+    step = train(model, tokens, targets)
+    for _ in range(2):
+        step()
+    print(json.dumps({"create": create, "train": _status("VmHWM") - after_create}))
+
+
+def measure_memory(sides, name, quick):
+    """{side: memory_probe's figures}, each from a fresh process, or None where it cannot measure
+    (not Linux). Quick: the sides' processes run at once (they share time, not memory)."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        return None
+
+    def start(side):
+        cmd = [sys.executable, __file__, "--memory-probe", side, name] + (["--quick"] if quick else [])
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    started = {side: start(side) for side in sides} if quick else {}
+    found = {}
+    for side in sides:
+        proc = started.get(side) or start(side)
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"memory probe {side} {name} failed:\n{err}")
+        found[side] = json.loads(out.strip().splitlines()[-1])
+    return found
+
+
+# ---- the report ----------------------------------------------------------------------------------------
+
+def describe(cfg, B, T):
+    return (f"dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab_size}"
+            f"{', tied' if cfg.tie_embeddings else ''}, T {T}, B {B} ({cfg.n_params() / 1e6:.2f}M params)")
+
+
+def best(times, prefix):
+    name = min((n for n in times if n.startswith(prefix)), key=times.get)
+    return name, times[name]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS),
+                    help="which configurations (default: all, in the order default a b c k)")
+    ap.add_argument("--quick", action="store_true", help="two small configurations, few rounds: under 30 s")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7, quick 3)")
+    ap.add_argument("--turn", type=float, default=None, help="seconds per side per round (default 1.0, quick 0.2)")
+    ap.add_argument("--no-memory", action="store_true", help="speed only")
+    ap.add_argument("--no-torch", action="store_true", help="npllama only")
+    ap.add_argument("--memory-probe", nargs=2, metavar=("SIDE", "CFG"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.memory_probe:
+        memory_probe(*args.memory_probe, args.quick)
+        return 0
+    configs = QUICK_CONFIGS if args.quick else {n: CONFIGS[n] for n in args.configs}
+    rounds = args.rounds or (3 if args.quick else 7)
+    turn = args.turn or (0.2 if args.quick else 1.0)
     try:
         import torch
-        torch_version = None if args.no_torch else torch.__version__
+        use_torch = not args.no_torch
     except ImportError:
-        torch_version = None
-    if torch_version and args.threads is not None:
-        torch.set_num_threads(args.threads)
-    print(f"numpy {np.__version__}, torch {torch_version or 'not used'}, {os.cpu_count()} cores, "
-          f"load average {os.getloadavg()[0]:.2f}, npllama shards {args.threads or 'default'} "
-          f"(BLAS threads {args.threads or get_blas_threads()})"
-          + (f", torch threads {torch.get_num_threads()}" if torch_version else ""))
-    names = ["small", "medium"] if args.config == "both" else [args.config]
-    for name in names:
-        kw, B, T = CONFIGS[name]
+        use_torch = False
+    print(f"numpy {np.__version__}, torch {torch.__version__ if use_torch else 'not used'}, "
+          f"{os.cpu_count()} cpus; a step = forward + backward + clip + AdamW; {rounds} rounds; "
+          "tokens/s: median, each side's faster setting", flush=True)
+    for name, (kw, B, T) in configs.items():
         cfg = npllama.LlamaConfig(**kw)
-        print(f"config {name}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, "
-              f"seq {T}, batch {B}, vocab {cfg.vocab_size} ({cfg.n_params() / 1e6:.2f}M params)")
-        model, tokens, targets, np_t, np_opt = bench_numpy(cfg, B, T, args.steps, args.warmup, args.threads)
-        tokens_per_step = B * T
-        print(f"  npllama  fwd+bwd {np_t * 1e3:8.1f} ms  {tokens_per_step / np_t:9.0f} tokens/s"
-              + (f"   AdamW step {np_opt * 1e3:6.1f} ms" if np_opt is not None else ""))
-        if torch_version:
-            th_t, th_opt = bench_torch(model, tokens, targets, args.steps, args.warmup)
-            print(f"  torch    fwd+bwd {th_t * 1e3:8.1f} ms  {tokens_per_step / th_t:9.0f} tokens/s"
-                  f"   AdamW step {th_opt * 1e3:6.1f} ms")
-            print(f"  ratio (npllama / torch tokens/s): fwd+bwd {th_t / np_t:.2f}"
-                  + (f", with AdamW {(th_t + th_opt) / (np_t + np_opt):.2f}" if np_opt is not None else ""))
-    return 0
+        load_before = load_average()
+        times = measure_speed(cfg, B, T, rounds, turn, use_torch, warmup=1 if args.quick else 2)
+        load_after = load_average()
+        tokens = B * T
+        print(f"\n{name}: {describe(cfg, B, T)}   load average {load_before} -> {load_after}")
+        for setting, seconds in times.items():
+            print(f"  {setting:20s} {seconds * 1e3:9.1f} ms a step  {tokens / seconds:10,.0f} tokens/s")
+        np_name, np_time = best(times, "npllama")
+        line = f"  speed   npllama {tokens / np_time:,.0f} tokens/s ({np_name})"
+        if use_torch:
+            t_name, t_time = best(times, "torch")
+            line += f", torch {tokens / t_time:,.0f} ({t_name}): ratio {t_time / np_time:.2f}"
+        print(line, flush=True)
+        if args.no_memory:
+            continue
+        param_bytes = cfg.n_params() * 4
+        mem = measure_memory(["npllama", "torch"] if use_torch else ["npllama"], name, args.quick)
+        if mem is None:
+            print("  memory  not measured (needs Linux's /proc/self/clear_refs)")
+            continue
+        line = f"  memory  training peak npllama {mem['npllama']['train'] / MB:,.0f} MB"
+        if use_torch:
+            line += (f", torch {mem['torch']['train'] / MB:,.0f} MB: ratio "
+                     f"{mem['npllama']['train'] / mem['torch']['train']:.2f}")
+        print(line)
+        line = (f"  create  npllama {mem['npllama']['create'] / MB:,.1f} MB "
+                f"({mem['npllama']['create'] / param_bytes:.2f}x the {param_bytes / MB:,.1f} MB of float32 parameters)")
+        if use_torch:
+            line += f", torch {mem['torch']['create'] / MB:,.1f} MB ({mem['torch']['create'] / param_bytes:.2f}x)"
+        print(line, flush=True)
+    print(f"\nload average at the end {load_average()}")
+    return 0 if use_torch or args.no_torch else 2
 
 
 if __name__ == "__main__":

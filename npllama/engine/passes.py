@@ -19,13 +19,18 @@ from ..config import LlamaConfig
 from ..kvcache import KVCache
 from ..ops import IGNORE_INDEX
 from .block import block_backward, block_forward
+from .layout import FlatLayout
 from .shards import resolve_workers, run_sharded
 from .stacked import stack_layers
 
 
 def stacked_blocks(params: dict, config: LlamaConfig) -> model.Blocks:
-    """The blocks as the engine runs them: weights stacked once, for every shard and layer call."""
-    return model.Blocks(stack_layers(params, config), block_forward, block_backward)
+    """The blocks as the engine runs them: weights stacked once, for every shard and layer call
+    (views, when the parameters are views of one flat array as npllama.Llama keeps them)."""
+    layout = FlatLayout(config)
+    flat = layout.base_of(params)
+    layers = stack_layers(params, config) if flat is None else [layout.stacked(flat, i) for i in range(config.n_layers)]
+    return model.Blocks(layers, block_forward, block_backward)
 
 
 def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache: KVCache | None = None,

@@ -8,6 +8,8 @@ forward once more to rebuild its caches, which then live only during that block'
 forward of every block per step: about a third more compute for full training, a half more
 for LoRA (whose backward skips the weight gradients). The arithmetic is the same, so the loss
 and gradients are bit for bit those without it (tests/engine/test_lora_engine.py).
+LoRA's blocks use this wrapper; the plain model's training pass does the same inside
+engine/training.py (`recompute=True`), on its own flat layout.
 """
 
 from __future__ import annotations

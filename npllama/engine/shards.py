@@ -50,8 +50,8 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 
 
 def n_shards(workers: int, batch_size: int, seq_len: int, dim: int) -> int:
-    """How many shards run_sharded cuts a batch into: at least one per worker, and more when rows
-    are large, so that a shard holds about SHARD_ACTIVATIONS."""
+    """How many shards run_sharded cuts a (batch_size, seq_len) batch into: at least one per worker,
+    and more when rows are large, so that a shard holds about SHARD_ACTIVATIONS."""
     return min(batch_size, max(workers, -(-batch_size * seq_len * dim // SHARD_ACTIVATIONS)))
 
 
@@ -63,17 +63,19 @@ def pass_footprint(batch_size: int, seq_len: int, dim: int, workers=None) -> tup
     return min(batch_size, workers * -(-batch_size // shards)), shards
 
 
-def run_sharded(fn, workers: int, dim: int, *row_arrays):
+def run_sharded(fn, workers: int, dim: int, *row_arrays, indexed: bool = False):
     """[fn(*shard) for contiguous shards of the arrays' rows], run on `workers` threads, in order.
 
     There are at least `workers` shards, and more when rows are large, so that a shard holds
     about SHARD_ACTIVATIONS. With one worker the shards run one after another in this thread,
     with BLAS as it is; with more, every shard runs with one BLAS thread (restored on return).
+    indexed: call fn(j, *shard) with the shard's index j (0, 1, ... in row order).
     """
     B, T = row_arrays[0].shape[:2]
-    shards = np.array_split(np.arange(B), n_shards(workers, B, T, dim))
+    shards = [((j,) if indexed else ()) + tuple(a[rows] for a in row_arrays)
+              for j, rows in enumerate(np.array_split(np.arange(B), n_shards(workers, B, T, dim)))]
     if workers == 1:
-        return [fn(*(a[rows] for a in row_arrays)) for rows in shards]
+        return [fn(*shard) for shard in shards]
     with blas_threads(1):
-        futures = [_executor(workers).submit(fn, *(a[rows] for a in row_arrays)) for rows in shards]
+        futures = [_executor(workers).submit(fn, *shard) for shard in shards]
         return [f.result() for f in futures]

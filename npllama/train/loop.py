@@ -42,6 +42,7 @@ import numpy as np
 
 from .. import engine, memory
 from ..config import LlamaConfig
+from ..engine import FusedAdamW
 from ..errors import NpllamaError, describe_os_error
 from ..io import save
 from ..io.atomic import stale_temp_files
@@ -231,8 +232,8 @@ class Run:
 
     def new_optimizer(self) -> AdamW:
         cfg = self.cfg
-        return AdamW(self.model.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                     weight_decay=cfg.weight_decay)
+        return FusedAdamW(self.model.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                          weight_decay=cfg.weight_decay)
 
 
 def require_memory(cfg: TrainConfig, model_config: LlamaConfig) -> None:

@@ -1,8 +1,10 @@
 """The engine (npllama.engine, what npllama.Llama runs) against the reference (npllama.model).
 
-In float64 on hypothesis-drawn configs (MHA, GQA, MQA, tied or not, odd lengths): forward
-logits, the loss and every gradient, the masked and the KV-cached forward, and each fused
-decode step, all within 1e-10 relative of the reference.
+In float64 on hypothesis-drawn configs (MHA, GQA, MQA, tied or not, odd lengths, -100 targets):
+forward logits, the loss and every gradient (the training pass with attention blocks of any
+size, T not a multiple of it, probabilities kept or recomputed; and the reference's
+model-level pass with the engine's stacked blocks), the masked and the KV-cached forward, and
+each fused decode step, all within 1e-10 relative of the reference.
 """
 
 import numpy as np
@@ -11,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import npllama
 from npllama import model as reference
-from npllama.engine import DecodeStep, blas
+from npllama.engine import DecodeStep, blas, passes, training
 from npllama.engine import shards
 from npllama.gradcheck import rel_error
 
@@ -46,6 +48,18 @@ def tokens_and_targets(cfg, B, T, seed):
     return tokens, targets
 
 
+def assert_grads_equal(grads, expected_grads, params):
+    """Every gradient within TOL of the reference's, same keys in the same order, same shapes and dtype."""
+    assert list(grads) == list(expected_grads) == list(params)
+    # A gradient that is exactly 0 in exact arithmetic (wq's at T = 1: a softmax over one key) comes
+    # out as rounding noise (1e-17) on one side or both, so each error is relative to at least 1e-4 of
+    # the whole gradient's norm: an absolute error of 1e-14 of it is the least that counts.
+    floor = 1e-4 * np.sqrt(sum(np.sum(g * g) for g in expected_grads.values()))
+    for name, g in grads.items():
+        assert g.shape == params[name].shape and g.dtype == np.float64
+        assert rel_error(g, expected_grads[name], floor=floor) < TOL, name
+
+
 @settings(max_examples=30)
 @given(configs(), st.integers(1, 4), st.integers(1, 12), st.sampled_from([1, 2]), st.integers(0, 10_000))
 def test_forward_loss_and_every_gradient_equal_the_reference(cfg, B, T, workers, seed):
@@ -56,14 +70,33 @@ def test_forward_loss_and_every_gradient_equal_the_reference(cfg, B, T, workers,
     expected_loss, expected_grads = reference.loss_and_grads(model.params, cfg, tokens, targets)
     loss, grads = model.loss_and_grads(tokens, targets, workers=workers)
     assert abs(loss - expected_loss) <= TOL * abs(expected_loss)
-    assert list(grads) == list(expected_grads) == list(model.params)
-    # A gradient that is exactly 0 in exact arithmetic (wq's at T = 1: a softmax over one key) comes
-    # out as rounding noise (1e-17) on one side or both, so each error is relative to at least 1e-4 of
-    # the whole gradient's norm: an absolute error of 1e-14 of it is the least that counts.
-    floor = 1e-4 * np.sqrt(sum(np.sum(g * g) for g in expected_grads.values()))
-    for name, g in grads.items():
-        assert g.shape == model.params[name].shape and g.dtype == np.float64
-        assert rel_error(g, expected_grads[name], floor=floor) < TOL, name
+    assert_grads_equal(grads, expected_grads, model.params)
+
+
+@settings(max_examples=40)
+@given(configs(), st.integers(1, 4), st.integers(1, 12), st.integers(1, 5), st.booleans(), st.sampled_from([1, 2]),
+       st.integers(0, 10_000))
+def test_training_pass_with_any_attention_block_equals_the_reference(cfg, B, T, block, keep_probs, workers, seed):
+    """Query blocks of 1..5 positions (T rarely a multiple), probabilities kept or recomputed."""
+    model = random_model(cfg, seed)
+    tokens, targets = tokens_and_targets(cfg, B, T, seed)
+    expected_loss, expected_grads = reference.loss_and_grads(model.params, cfg, tokens, targets)
+    loss, grads = training.loss_and_grads(model.params, cfg, model.rope, tokens, targets, workers=workers,
+                                          block=block, keep_probs=keep_probs)
+    assert abs(loss - expected_loss) <= TOL * abs(expected_loss)
+    assert_grads_equal(grads, expected_grads, model.params)
+
+
+@settings(max_examples=15)
+@given(configs(), st.integers(1, 3), st.integers(1, 9), st.integers(0, 10_000))
+def test_reference_passes_with_stacked_blocks_equal_the_reference(cfg, B, T, seed):
+    """engine.passes: the reference's model-level chain rule with the engine's blocks (custom Blocks use it)."""
+    model = random_model(cfg, seed)
+    tokens, targets = tokens_and_targets(cfg, B, T, seed)
+    expected_loss, expected_grads = reference.loss_and_grads(model.params, cfg, tokens, targets)
+    loss, grads = passes.loss_and_grads(model.params, cfg, model.rope, tokens, targets, workers=2)
+    assert abs(loss - expected_loss) <= TOL * abs(expected_loss)
+    assert_grads_equal(grads, expected_grads, model.params)
 
 
 def test_many_shards_on_two_threads_equal_the_reference(monkeypatch):

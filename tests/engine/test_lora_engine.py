@@ -74,7 +74,7 @@ def _model(cfg, params, dtype):
 @settings(max_examples=10)
 @given(configs(), st.integers(0, 3), targets, st.integers(1, 3), st.integers(1, 9), st.integers(0, 10_000))
 def test_gradient_checkpointing_gives_the_same_bits(cfg, rank, target_list, B, T, seed):
-    """Recomputing each block in backward (engine/recompute.py) repeats the same arithmetic."""
+    """Recomputing each block in backward (engine/recompute.py, engine/training.py) repeats the same arithmetic."""
     tokens, targets_ = tokens_and_targets(cfg, B, T, seed)
     spec = lora.LoraSpec(rank=rank, targets=tuple(target_list))
     adapted = LoraLlama(random_model(cfg, seed), spec, adapters=random_adapters(cfg, spec, seed))

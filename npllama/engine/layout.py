@@ -1,0 +1,102 @@
+"""One flat array per model: every parameter (or gradient, or moment) a view of it.
+
+A training step reads its weights as stacks, [wq; wk; wv] and [w1; w3] (engine/stacked.py),
+and writes its gradients the same way. When the members of each stack lie next to each other
+in one array, the stacks are views: no copy of the weights per step, and the stacked dW GEMM
+writes straight into the gradient array. The optimizer then runs over a few long segments
+instead of a hundred arrays, and the decayed matrices, which come first, form one segment.
+
+    layout = FlatLayout(config)
+    params = layout.views(layout.new(np.float32))      # {Meta name: view}, config.param_shapes() order
+    layout.stacked(params, i)                          # block i as a StackedLayer of views
+
+Order in the array: tok_embeddings, then per block wq, wk, wv, wo, w1, w3, w2, then output
+(untied), then every norm weight (the ones AdamW never decays). Built from the reference's own
+tables (config.param_shapes, model.layer_param_names), so names and shapes are defined once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..config import LlamaConfig
+from ..model import layer_param_names, output_weight_name
+from .stacked import StackedLayer
+
+
+class FlatLayout:
+    """Where each parameter of a config lives in one flat array: name -> (offset, shape)."""
+
+    def __init__(self, config: LlamaConfig):
+        self.config = config
+        shapes = config.param_shapes()
+        matrices = ["tok_embeddings.weight"]
+        norms = []
+        for i in range(config.n_layers):
+            n = layer_param_names(i)
+            matrices += [n.wq, n.wk, n.wv, n.wo, n.w1, n.w3, n.w2]   # each stack's members adjacent
+            norms += [n.attention_norm, n.ffn_norm]
+        if not config.tie_embeddings:
+            matrices.append("output.weight")
+        norms.append("norm.weight")
+        self.slots: dict[str, tuple[int, tuple]] = {}
+        offset = 0
+        for name in matrices + norms:
+            self.slots[name] = (offset, shapes[name])
+            offset += math.prod(shapes[name])
+            if name == matrices[-1]:
+                self.n_decayed = offset            # [0, n_decayed): the matrices (ndim >= 2)
+        self.size = offset
+        self.order = list(shapes)                  # views come back in config.param_shapes() order
+
+    def new(self, dtype) -> np.ndarray:
+        """An uninitialised flat array for every parameter."""
+        return np.empty(self.size, dtype=dtype)
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """{Meta name: view of flat}, in config.param_shapes() order."""
+        return {name: self._view(flat, name) for name in self.order}
+
+    def _view(self, flat, name):
+        offset, shape = self.slots[name]
+        return flat[offset:offset + math.prod(shape)].reshape(shape)
+
+    def base_of(self, arrays: dict) -> np.ndarray | None:
+        """The flat array whose views `arrays` are, each in its slot; None if they are not (then a
+        caller copies). A check of identity and addresses, no pass over the data."""
+        first = arrays.get("tok_embeddings.weight")
+        base = getattr(first, "base", None)
+        if not isinstance(base, np.ndarray) or base.ndim != 1 or base.size != self.size:
+            return None
+        start = base.__array_interface__["data"][0]
+        for name, (offset, shape) in self.slots.items():
+            a = arrays.get(name)
+            if (a is None or a.base is not base or a.shape != shape or not a.flags.c_contiguous
+                    or a.__array_interface__["data"][0] != start + offset * base.itemsize):
+                return None
+        return base
+
+    def stacked(self, flat: np.ndarray, i: int) -> StackedLayer:
+        """Block i's weights (or gradients) in flat as a StackedLayer of views: [wq; wk; wv], [w1; w3]."""
+        n = layer_param_names(i)
+        return StackedLayer(self._view(flat, n.attention_norm), self._span(flat, n.wq, n.wv),
+                            self._view(flat, n.wo), self._view(flat, n.ffn_norm),
+                            self._span(flat, n.w1, n.w3), self._view(flat, n.w2))
+
+    def _span(self, flat, first, last):
+        """The adjacent slots first .. last (matrices of one width) as one (rows, width) view."""
+        start, shape = self.slots[first]
+        end = self.slots[last][0] + math.prod(self.slots[last][1])
+        return flat[start:end].reshape(-1, shape[1])
+
+    def output(self, flat: np.ndarray) -> np.ndarray:
+        """The output projection's view: the embedding itself when tied."""
+        return self._view(flat, output_weight_name(self.config))
+
+
+def flat_params(config: LlamaConfig, dtype) -> dict[str, np.ndarray]:
+    """Uninitialised parameters of a model, as views of one new flat array (FlatLayout order)."""
+    layout = FlatLayout(config)
+    return layout.views(layout.new(dtype))
