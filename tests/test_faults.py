@@ -98,11 +98,11 @@ def test_a_killed_runs_lock_and_temp_files_are_taken_over_on_resume(text_file, t
     # the kill may itself have left a temp file, mid-write of the next checkpoint: count what is there
     stale = [p for p in out.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
     assert len(stale) >= 2
+    megabytes = sum(p.stat().st_size for p in stale) / 1e6
     resumed = subprocess.run(tiny_train_argv(text_file, out, "--resume", "--max-steps", step + 3),
                              capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert f"pid {killed.pid}" in resumed.stdout and "ended without releasing it" in resumed.stdout
-    megabytes = sum(p.stat().st_size for p in stale) / 1e6
     assert f"removed {len(stale)} temporary file(s) ({megabytes:.1f} MB)" in resumed.stdout
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".ckpt.safetensors.note.txt"]
     assert load_train_state(out / "ckpt.safetensors")["step"] == step + 3
