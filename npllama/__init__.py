@@ -3,7 +3,8 @@
 The public surface (see CONTRACT.md): LlamaConfig, Llama, load, save, AdamW, clip_grad_norm.
 
 Layers, each importing only from those before it (tests/test_layout.py checks it):
-    checks, config, tokenizers      the blueprint and small shared pieces
+    checks, storage, config,        the blueprint and small shared pieces (storage: the dtypes
+    tokenizers                      weights are held in)
     ops, kvcache, model             the reference math: pure functions a reader reads
     optim, sampling, gradcheck      AdamW and clipping, choosing tokens, numerical gradients
     engine                          speed only, tested equal to the reference

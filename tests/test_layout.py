@@ -13,7 +13,7 @@ import npllama
 PACKAGE = Path(npllama.__file__).parent
 
 # Bottom to top. A unit is a top-level module or subpackage of npllama.
-LAYERS = ["checks", "config", "tokenizers", "ops", "kvcache", "model", "optim", "sampling", "gradcheck",
+LAYERS = ["checks", "storage", "config", "tokenizers", "ops", "kvcache", "model", "optim", "sampling", "gradcheck",
           "engine", "generate", "llama", "io", "train", "cli", "__main__"]
 OPTIONAL = {"torch", "transformers", "matplotlib", "tokenizers"}   # third-party, imported where used
 

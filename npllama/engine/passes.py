@@ -19,8 +19,10 @@ from ..config import LlamaConfig
 from ..kvcache import KVCache
 from ..ops import IGNORE_INDEX
 from .block import block_backward, block_forward
+from .inference import forward as forward_without_grad
 from .shards import resolve_workers, run_sharded
 from .stacked import stack_layers
+from .upcast import has_half
 
 
 def stacked_blocks(params: dict, config: LlamaConfig) -> model.Blocks:
@@ -33,12 +35,14 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache: KVCach
     """Logits (B, T, V) of checked tokens (B, T); arguments as npllama.model.forward.
 
     workers: threads sharing the batch rows (engine.shards.resolve_workers); used without a
-    cache or mask only, since a KV cache is written by position for the whole batch.
+    cache or mask only, since a KV cache is written by position for the whole batch. With a
+    cache or mask, or weights held in float16 / bfloat16, the pass is engine.inference.forward.
     """
+    if kv_cache is not None or mask is not None or has_half(params):
+        # nothing to differentiate here: one layer's weights and activations at a time (engine.inference)
+        return forward_without_grad(params, config, rope, tokens, kv_cache=kv_cache, start_pos=start_pos,
+                                    mask=mask)
     blocks = stacked_blocks(params, config)
-    if kv_cache is not None or mask is not None:
-        return model.forward(params, config, tokens, rope=rope, kv_cache=kv_cache, start_pos=start_pos,
-                             mask=mask, blocks=blocks)[0]
     workers = resolve_workers(workers, *tokens.shape, config.dim)
     shards = run_sharded(lambda x: model.forward(params, config, x, rope=rope, blocks=blocks)[0],
                          workers, config.dim, tokens)

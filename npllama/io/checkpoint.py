@@ -36,9 +36,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..checks import check_dtype
 from ..config import LlamaConfig
 from ..llama import Llama
+from ..storage import all_finite, storage_dtype_name, to_float, to_storage
 from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer
 from .atomic import write_bytes_atomic
@@ -49,7 +49,7 @@ from .llama2c import read_llama2c
 from .metadata import (CONFIG_KEY, OPTIMIZER_PREFIX, TOKENIZER_KEY, config_from_metadata, is_training_checkpoint,
                        model_metadata, tokenizer_from_metadata)
 from .pickles import looks_pickled_name, refuse_pickle_magic, refuse_pickle_name
-from .safetensors import f32_to_bf16, read_safetensors, write_safetensors_atomic
+from .safetensors import Bfloat16, map_safetensors, release_pages, write_safetensors_atomic
 
 
 # ----------------------------------------------------------------------------- config vs tensors
@@ -97,6 +97,9 @@ def _check_rope_buffer(name: str, arr: np.ndarray, cfg: LlamaConfig) -> None:
             f"{name!r} of shape {arr.shape}; fix rope_theta in the config")
 
 
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16")   # safetensors dtypes that hold weights
+
+
 class Loaded(NamedTuple):
     """What read_checkpoint found: a config, Meta-named arrays, a tokenizer or None, and notes."""
     config: LlamaConfig
@@ -105,9 +108,15 @@ class Loaded(NamedTuple):
     notes: list
 
 
-def _match_tensors(tensors: dict, metadata: dict, cfg: LlamaConfig, dtype, *, strict: bool,
-                   source: str, hf_config: bool) -> tuple[dict, list]:
-    """Rename to Meta, check config and shapes, un-permute HF q/k, cast. Returns (params, notes)."""
+def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig, storage: str, *, strict: bool,
+                   source: str, hf_config: bool, mapped: bool) -> tuple[dict, list]:
+    """Rename to Meta, check config and shapes, un-permute HF q/k, hold as `storage`. Returns (params, notes).
+
+    tensors: {file name: array}, memory-mapped (map_safetensors, read_llama2c); codes: their
+    safetensors dtype codes. A tensor already held as `storage` stays a view of the file when
+    `mapped`; every other one is converted (or copied) on its own and its file pages released,
+    so the load never holds two full copies of the weights.
+    """
     notes = []
     if is_training_checkpoint(metadata):
         opt = [n for n in tensors if n.startswith(OPTIMIZER_PREFIX)]
@@ -124,7 +133,7 @@ def _match_tensors(tensors: dict, metadata: dict, cfg: LlamaConfig, dtype, *, st
     renamed, file_name, unexpected = {}, {}, []
     for name, t in tensors.items():
         if name.endswith("rotary_emb.inv_freq") or name == "rope.freqs":
-            _check_rope_buffer(name, t, cfg)
+            _check_rope_buffer(name, to_float(t, np.float64) if codes[name] == "BF16" else t, cfg)
             notes.append(f"skipped derived RoPE buffer {name}")
             continue
         meta = hf_to_meta_name(name) if naming == "hf" else (name if meta_to_hf_name(name) else None)
@@ -173,15 +182,19 @@ def _match_tensors(tensors: dict, metadata: dict, cfg: LlamaConfig, dtype, *, st
     params = {}
     for n in expected:
         t = renamed[n]
-        if t.dtype.kind != "f":
+        if codes[file_name[n]] not in _FLOAT_CODES:
             raise CheckpointError(f"{source}: tensor {display(n)} has dtype {t.dtype}; weights must be floating point")
-        t = t.astype(dtype, copy=False)
-        if not np.isfinite(t).all():
+        held = to_storage(t, storage)
+        if not all_finite(held):
             raise CheckpointError(f"{source}: tensor {display(n)} holds NaN or infinite values; the file is corrupt "
                                   "or the weights overflowed the requested dtype")
         if naming == "hf" and n.endswith((".attention.wq.weight", ".attention.wk.weight")):
-            t = permute_hf_to_meta(t, cfg.n_heads if n.endswith("wq.weight") else cfg.n_kv_heads)
-        params[n] = np.ascontiguousarray(t)
+            held = permute_hf_to_meta(held, cfg.n_heads if n.endswith("wq.weight") else cfg.n_kv_heads)
+        if held is t and not mapped:
+            held = t.copy()
+        if held is not t:
+            release_pages(t)
+        params[n] = np.ascontiguousarray(held)
     return params, notes
 
 
@@ -201,12 +214,13 @@ def _config_from_json_file(path: Path) -> tuple[LlamaConfig, bool]:
         raise ConfigMismatchError(f"{path}: {e}") from None
 
 
-def _read_hf_folder(folder: Path) -> tuple[dict, dict, str]:
-    """(tensors, metadata, description) of model.safetensors or the shards of its index."""
+def _read_hf_folder(folder: Path) -> tuple[dict, dict, dict, str]:
+    """(tensors, metadata, dtype codes, description) of model.safetensors or the shards of its index,
+    memory-mapped (map_safetensors)."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():  # transformers tries the single file first too
-        tensors, metadata = read_safetensors(single)
-        return tensors, metadata, str(single)
+        tensors, metadata, codes = map_safetensors(single)
+        return tensors, metadata, codes, str(single)
     if index.is_file():
         try:
             idx = json.loads(index.read_text(encoding="utf-8"))
@@ -215,14 +229,14 @@ def _read_hf_folder(folder: Path) -> tuple[dict, dict, str]:
         wmap = idx.get("weight_map") if isinstance(idx, dict) else None
         if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
             raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> shard file")
-        tensors, metadata = {}, {}
+        tensors, metadata, codes = {}, {}, {}
         for shard in sorted(set(wmap.values())):
             if Path(shard).name != shard:
                 raise CheckpointError(f"{index}: shard {shard!r} is not a file name inside the folder")
             shard_path = folder / shard
             if not shard_path.is_file():
                 raise FileNotFoundError(f"{index} lists shard {shard!r}, which is not in {folder}")
-            part, meta = read_safetensors(shard_path)
+            part, meta, part_codes = map_safetensors(shard_path)
             metadata.update(meta)
             listed = {n for n, s in wmap.items() if s == shard}
             absent, unlisted = sorted(listed - set(part)), sorted(set(part) - listed)
@@ -230,7 +244,8 @@ def _read_hf_folder(folder: Path) -> tuple[dict, dict, str]:
                 raise CheckpointError(f"{shard_path}: disagrees with {index.name}: "
                                       f"listed but absent {absent}, present but not listed {unlisted}")
             tensors.update(part)
-        return tensors, metadata, f"{folder} ({len(set(wmap.values()))} shards)"
+            codes.update(part_codes)
+        return tensors, metadata, codes, f"{folder} ({len(set(wmap.values()))} shards)"
     pickles = sorted(p.name for p in folder.iterdir() if looks_pickled_name(p))
     if pickles:
         raise PickleRefusedError(f"{folder}: holds only PyTorch pickle weights {pickles}; refusing them. {PICKLE_HINT}")
@@ -238,19 +253,20 @@ def _read_hf_folder(folder: Path) -> tuple[dict, dict, str]:
                             "expected a Hugging Face LlamaForCausalLM folder")
 
 
-def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None) -> Loaded:
+def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None,
+                    mmap: bool = True) -> Loaded:
     """Read any supported checkpoint into (config, Meta-named params, tokenizer, notes); see load()."""
-    loaded = _read(Path(path), check_dtype(dtype), strict)
+    loaded = _read(Path(path), storage_dtype_name(dtype), strict, mmap)
     if max_seq_len is not None:     # the one place a file's context length is overridden
         loaded = loaded._replace(config=loaded.config.replace(max_seq_len=max_seq_len))
     return loaded
 
 
-def _read(path: Path, dtype: np.dtype, strict: bool) -> Loaded:
+def _read(path: Path, storage: str, strict: bool, mapped: bool) -> Loaded:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     if path.is_dir():
-        tensors, metadata, source = _read_hf_folder(path)
+        tensors, metadata, codes, source = _read_hf_folder(path)
         cfg_file = path / "config.json"
         if cfg_file.is_file():
             cfg, hf = _config_from_json_file(cfg_file)
@@ -266,15 +282,16 @@ def _read(path: Path, dtype: np.dtype, strict: bool) -> Loaded:
         refuse_pickle_name(path)
         suffix = path.suffix.lower()
         if suffix == ".bin":
-            cfg, params = read_llama2c(path)
-            params = {n: np.ascontiguousarray(t, dtype=dtype) for n, t in params.items()}
-            return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"])
+            cfg, tensors = read_llama2c(path)
+            params, notes = _match_tensors(tensors, dict.fromkeys(tensors, "F32"), {}, cfg, storage, strict=True,
+                                           source=str(path), hf_config=False, mapped=mapped)
+            return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"] + notes)
         if suffix != ".safetensors":
             with open(path, "rb") as f:
                 refuse_pickle_magic(path, f.read(4))
             raise CheckpointError(f"{path}: unknown checkpoint type {suffix!r}; npllama reads .safetensors files, "
                                   "Hugging Face folders and llama2.c .bin files")
-        tensors, metadata = read_safetensors(path)
+        tensors, metadata, codes = map_safetensors(path)
         source = str(path)
         beside = path.parent / "config.json"
         if CONFIG_KEY in metadata:
@@ -286,20 +303,30 @@ def _read(path: Path, dtype: np.dtype, strict: bool) -> Loaded:
                 f"{path}: no config found: the metadata has no 'npllama_config' and there is no config.json "
                 "beside the file. Hint: put the model's config.json next to it")
         tokenizer = tokenizer_from_metadata(metadata, source)
-    params, notes = _match_tensors(tensors, metadata, cfg, dtype, strict=strict, source=source, hf_config=hf)
+    params, notes = _match_tensors(tensors, codes, metadata, cfg, storage, strict=strict, source=source, hf_config=hf,
+                                   mapped=mapped)
     return Loaded(cfg, params, tokenizer, notes)
 
 
-def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None):
+def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None, mmap: bool = True):
     """Load a checkpoint into an npllama.Llama (formats: see this module's docstring).
 
-    dtype: np.float32 (default) or np.float64; every tensor is cast to it.
+    dtype: what the weights are held in: np.float32 (default) or np.float64, which the model
+        also computes in; or np.float16 / "bfloat16", half the memory, for inference (forward and
+        generate compute in float32, one layer at a time; loss_and_grads refuses). Each tensor
+        is converted on its own, so a load never holds two full copies of the weights.
+    mmap: True (default) maps the file instead of copying it wherever a tensor is stored in the
+        dtype asked for (float32 safetensors and llama2.c .bin for float32; float16 / bfloat16
+        files for those): loading takes no time, the pages are shared with the OS page cache, and
+        writing to a parameter (training) changes the process's copy only, never the file. The
+        file must then not be truncated or rewritten in place while the model is in use (npllama
+        replaces files whole, which is safe). False copies every tensor into memory.
     strict: False turns unexpected extra tensors into a warning instead of an error.
     max_seq_len: override the config's (e.g. Llama 2's 4096 makes large RoPE tables).
     model.tokenizer is set from the metadata key "npllama_tokenizer" or a folder's tokenizer.model,
     else None.
     """
-    loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len)
+    loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len, mmap=mmap)
     model = Llama.from_params(loaded.config, loaded.params, dtype=dtype)
     model.tokenizer = loaded.tokenizer
     return model
@@ -324,12 +351,11 @@ def _save_dtype_name(dtype) -> str:
 
 
 def _cast_for_save(arr: np.ndarray, name: str):
-    if name == "bfloat16":
-        return f32_to_bf16(arr)
-    out = np.asarray(arr, dtype=name)
-    if not np.isfinite(out).all():
+    """A held parameter (any storage dtype) as the array to write: Bfloat16 bits for "bfloat16"."""
+    out = to_storage(arr, name)
+    if not all_finite(out):
         raise ValueError(f"casting to {name} overflows some weights; save in float32 instead")
-    return out
+    return Bfloat16(out) if name == "bfloat16" else out
 
 
 def save(model, path, format: str = "hf", dtype="float32") -> Path:
@@ -343,7 +369,7 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
     format="meta": path is one .safetensors file with Meta names and metadata
                    {"format": "pt", "npllama_config": config JSON, "npllama_tokenizer": tokenizer
                    JSON when model.tokenizer is set}.
-    dtype: "float32" (default, whatever the model's dtype), "float64", "float16" or "bfloat16".
+    dtype: "float32" (default, whatever the model's dtype or storage_dtype), "float64", "float16" or "bfloat16".
     Every file is written atomically: an existing file is replaced whole or left untouched.
     """
     path = Path(path)

@@ -12,6 +12,7 @@ pointer walk as in run.c.
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from pathlib import Path
 
@@ -64,6 +65,8 @@ def llama2c_layout(cfg: LlamaConfig, version: int) -> list[tuple[str | None, tup
 
 
 def read_llama2c(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """(config, {Meta name: float32 array}) of a llama2.c checkpoint; the arrays are views of the file,
+    memory-mapped copy-on-write (nothing is read until used; writes never reach the file)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(LLAMA2C_V1_HEADER_BYTES)
@@ -105,7 +108,11 @@ def read_llama2c(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
             f"{path}: a llama2.c v{version} checkpoint with header {fields} (shared classifier: {shared}) "
             f"is {expected} bytes, but the file has {size}: {what}. Hint: the file is damaged, or it is "
             "not a float32 llama2.c checkpoint")
-    data = np.fromfile(path, dtype="<f4", offset=offset)
+    with open(path, "rb") as f:   # mapped copy-on-write, as io/safetensors.py map_safetensors explains
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    data = np.frombuffer(mapped, dtype="<f4", offset=offset)
+    if not data.dtype.isnative:
+        data = data.astype("=f4")
     params, pos = {}, 0
     for name, shape in layout:
         n = math.prod(shape)
