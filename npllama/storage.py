@@ -21,7 +21,7 @@ import numpy as np
 STORAGE_DTYPES = ("float32", "float64", "float16", "bfloat16")
 HALF_DTYPES = ("float16", "bfloat16")
 BFLOAT16_BITS = np.dtype(np.uint16)     # how a bfloat16 array is held
-_FINITE_CHUNK = 1 << 20                 # elements checked at a time (bounded temporaries)
+_CHUNK = 1 << 20                        # elements converted or checked at a time (small temporaries)
 
 
 def storage_dtype_name(dtype) -> str:
@@ -60,11 +60,16 @@ def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
 def float32_to_bfloat16(x) -> np.ndarray:
     """float32 -> bfloat16 bits (uint16), rounded to nearest with ties to even (as torch does);
     NaN stays NaN (0x7FC0), and values past bfloat16's range become inf, as in torch."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    u = x.view(np.uint32)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    rounded[np.isnan(x)] = 0x7FC0
-    return rounded
+    x = np.asarray(x)
+    out = np.empty(x.shape, dtype=np.uint16)
+    flat_x, flat_out = x.reshape(-1), out.reshape(-1)
+    for start in range(0, flat_x.size, _CHUNK):      # a chunk at a time: temporaries stay small
+        chunk = np.ascontiguousarray(flat_x[start:start + _CHUNK], dtype=np.float32)
+        u = chunk.view(np.uint32)
+        rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        rounded[np.isnan(chunk)] = 0x7FC0
+        flat_out[start:start + _CHUNK] = rounded
+    return out
 
 
 def to_float(arr: np.ndarray, dtype=np.float32) -> np.ndarray:
@@ -94,8 +99,8 @@ def all_finite(arr: np.ndarray) -> bool:
     Checked a chunk at a time, so a memory-mapped file's tensor never needs a second full-size array.
     """
     flat = arr.reshape(-1)
-    for start in range(0, flat.size, _FINITE_CHUNK):
-        chunk = flat[start:start + _FINITE_CHUNK]
+    for start in range(0, flat.size, _CHUNK):
+        chunk = flat[start:start + _CHUNK]
         if arr.dtype == BFLOAT16_BITS:
             ok = not np.any(np.bitwise_and(chunk, 0x7F80) == 0x7F80)
         else:

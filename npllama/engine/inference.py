@@ -48,5 +48,5 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache: KVCach
     xn, _ = rmsnorm_forward(x, floats["norm.weight"], config.norm_eps)
     rows = xn.reshape(-1, config.dim)                                          # (B, T', D) -> (B T', D)
     logits = np.empty((rows.shape[0], config.vocab_size), dtype=dtype)
-    linear_in_place(params[output_weight_name(config)], rows, logits, ChunkedHalfLinear(config.dim))
+    linear_in_place(params[output_weight_name(config)], rows, logits, ChunkedHalfLinear(config.dim, dtype))
     return logits.reshape(B, -1) if last_only else logits.reshape(B, T, -1)    # (B T', V) -> (B, V) | (B, T, V)

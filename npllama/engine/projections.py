@@ -58,6 +58,9 @@ else:
 # that stays in L2 (measured at 110M: 64K-256K weights a block are best; a whole matrix ~10% slower).
 HALF_BLOCK_ELEMENTS = 1 << 16
 
+# Up to this many rows, a GEMM through an (out, in) matrix runs as (W @ x.T).T (see linear_in_place).
+FEW_ROWS = 16
+
 
 def normalized(x, d_eps):
     """x / sqrt(sum(x**2) + D eps) over the last axis: RMSNorm without its weight and sqrt(D). (B, D) -> (B, D)."""
@@ -115,12 +118,12 @@ class ChunkedHalfLinear:
     """out = x @ W.T for a half-held W (rows, in): a block of rows at a time is turned into float32
     in a buffer that stays in cache (engine.upcast.upcast_into) and multiplied there."""
 
-    def __init__(self, max_in: int, block_elements: int = HALF_BLOCK_ELEMENTS):
-        self.buffer = np.empty(max(block_elements, max_in), dtype=np.float32)
-        self.block_elements = block_elements
+    def __init__(self, max_in: int, dtype=np.float32):
+        self.block_elements = HALF_BLOCK_ELEMENTS
+        self.buffer = np.empty(max(self.block_elements, max_in), dtype=dtype)
 
     def __call__(self, w, x, out):
-        """w (rows, in) half-held; x (B, in) float32; writes out (B, rows) float32."""
+        """w (rows, in) half-held; x (B, in) and out (B, rows) in the buffer's dtype (float32; float64 in tests)."""
         rows, n_in = w.shape
         step = max(1, self.block_elements // n_in)
         for r0 in range(0, rows, step):
@@ -140,6 +143,9 @@ def linear_in_place(w, x, out, half_linear: ChunkedHalfLinear):
         half_linear(w, x, out)
     elif x.shape[0] == 1:
         matvec_into(w, x[0], out[0])
+    elif x.shape[0] <= FEW_ROWS:
+        # (W @ x.T).T, not x @ W.T: OpenBLAS runs a few rows through Meta's (out, in) layout faster this way
+        out[...] = (w @ x.T).T
     else:
         np.matmul(x, w.T, out=out)
 
@@ -163,7 +169,7 @@ class InPlaceProjections:
         self.d_eps = D * config.norm_eps
         self.q_end, self.k_end, self.qkv_width = H * Dh, (H + KVH) * Dh, (H + 2 * KVH) * Dh
         self.q_scale = self.dtype.type(1.0 / np.sqrt(Dh))
-        self.half_linear = ChunkedHalfLinear(max(D, config.hidden_dim))
+        self.half_linear = ChunkedHalfLinear(max(D, config.hidden_dim), self.dtype)
 
     def _project(self, ws, x, width):
         """[x @ w.T for w in ws] side by side in one (B, width) array."""

@@ -24,6 +24,7 @@ _F16_KEEP_BITS = np.int32(-0x70000001)          # 0x8FFFFFFF: the sign and the l
 
 def upcast_into(src: np.ndarray, dst: np.ndarray) -> None:
     """dst (float32, same shape, contiguous) = src (float16, or bfloat16 bits as uint16), exactly.
+    (A float64 dst, as the float64 tests use, goes through npllama.storage.to_float.)
 
     float16 h = sign | e (5 bits) | m (10 bits). Sign-extending h to 32 bits and shifting it left
     by 13 puts m at the top of a float32 mantissa and e in the low 5 bits of the float32
@@ -32,7 +33,9 @@ def upcast_into(src: np.ndarray, dst: np.ndarray) -> None:
     is then a float32 subnormal). Needs finite weights (checked at load). bfloat16 is the top half
     of a float32: a shift by 16.
     """
-    if src.dtype == BFLOAT16_BITS:
+    if dst.dtype != np.float32:
+        np.copyto(dst, to_float(src, dst.dtype))
+    elif src.dtype == BFLOAT16_BITS:
         np.left_shift(src, 16, out=dst.view(np.uint32), dtype=np.uint32)
     elif src.dtype == np.float16:
         bits = dst.view(np.int32)
