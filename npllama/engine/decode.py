@@ -41,7 +41,7 @@ DECODE_BLAS_THREADS = 1
 # Weights up to this many bytes are copied once per generation into the stacked, norm-folded
 # layout; larger ones are read in place. Measured (batch 1, float32): the stacked copies win at
 # stories260K (1 MB) where calls dominate, tie at 8M (29 MB), and lose at 15M and 110M.
-STACKED_MAX_BYTES = 32 << 20
+STACKED_MAX_BYTES = 16 << 20
 
 
 def choose_layout(params: dict, batch_size: int) -> str:

@@ -22,10 +22,16 @@ from ..config import LlamaConfig
 from ..kvcache import KVCache
 from ..model import layer_weights, output_weight_name
 from ..ops import rmsnorm_forward
+from .blas import blas_threads
 from .block import block_forward
 from .projections import ChunkedHalfLinear, linear_in_place
 from .stacked import stack_layer
 from .upcast import float_params, upcast
+
+# Below this many activations (B * T * D) the GEMMs are small, and a second BLAS thread costs more
+# than it saves, ruinously so on a busy machine (an 8-token prompt of an 8M model: 9 ms a GEMM on
+# two threads under load, against well under 1 ms on one). Longer prompts keep the process's count.
+MIN_THREADED_ACTIVATIONS = 1 << 16
 
 
 def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache: KVCache | None = None,
@@ -34,6 +40,12 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache: KVCach
 
     Arguments as npllama.model.forward; rope (cos, sin) sets the compute dtype.
     """
+    small = tokens.size * config.dim < MIN_THREADED_ACTIVATIONS
+    with blas_threads(1 if small else None):
+        return _forward(params, config, rope, tokens, kv_cache, start_pos, mask, last_only)
+
+
+def _forward(params, config, rope, tokens, kv_cache, start_pos, mask, last_only):
     dtype = rope[0].dtype
     floats = float_params(params, dtype)                   # half-held arrays upcast as they are read
     B, T = tokens.shape

@@ -93,7 +93,13 @@ class StackedProjections:
 
     def _linear(self, x, w):
         """x (B, in) -> (B, out) through a matrix stored as _oriented made it."""
-        return x @ w if self.rows_first else (w @ x.T).T
+        if self.rows_first:
+            return x @ w
+        if x.shape[0] == 1:                     # one dot product per row: see InPlaceProjections
+            out = np.empty((1, w.shape[0]), dtype=x.dtype)
+            matvec_into(w, x[0], out[0])
+            return out
+        return (w @ x.T).T
 
     def embed(self, ids):
         return self.embedding.take(ids, axis=0)
