@@ -162,3 +162,20 @@ def test_generate_command_holds_the_weights_at_half_precision(tmp_path, capsys, 
     half = npllama.load(path, dtype=storage)
     assert out.split() == [str(i) for i in [1, 2, 3, *half.generate([1, 2, 3], 6)]]
     assert storage in err
+
+
+def test_the_footprint_worked_out_before_loading_is_what_the_load_holds(tmp_path):
+    """The footprint (the figure a fit check compares with free memory), from shapes and dtypes alone,
+    equals the bytes the loaded model then holds in new arrays and in mapped file pages."""
+    model = random_model(gqa_config())
+    files = checkpoints(tmp_path, model)
+    files["f16"] = npllama.save(model, tmp_path / "f16.safetensors", format="meta", dtype="float16")
+    for name, path in files.items():
+        for dtype in ("float32", "float16", "bfloat16"):
+            for mapped in (True, False):
+                loaded = ck.read_checkpoint(path, dtype, mmap=mapped)
+                held = loaded.params.values()
+                want = (sum(p.nbytes for p in held if not is_mapped(p)), sum(p.nbytes for p in held if is_mapped(p)))
+                assert tuple(loaded.footprint) == want, (name, dtype, mapped)
+                assert loaded.footprint.total == sum(p.nbytes for p in held) > 0
+                assert f"holds {loaded.footprint.describe()}" in loaded.notes

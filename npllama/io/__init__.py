@@ -5,6 +5,7 @@
     llama2c.py      llama2.c .bin layouts (v0, v1), as an explicit (name, shape) table
     hf.py           Meta <-> Hugging Face names, the q/k RoPE permutation, config.json
     metadata.py     the keys npllama writes into safetensors metadata (the one owner)
+    footprint.py    the memory a load will take, from the tensors' shapes and dtypes
     pickles.py      pickle refusal: never unpickled
     atomic.py       atomic writes: a temp file, fsync, one rename
     errors.py       the exceptions, all ValueErrors with hints

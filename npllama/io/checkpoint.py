@@ -43,6 +43,7 @@ from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer
 from .atomic import write_bytes_atomic
 from .errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError, PICKLE_HINT
+from .footprint import LoadFootprint, load_footprint
 from .hf import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_meta_name, is_hf_name, llama_to_hf_config,
                  meta_to_hf, meta_to_hf_name, permute_hf_to_meta)
 from .llama2c import read_llama2c
@@ -101,16 +102,20 @@ _FLOAT_CODES = ("F64", "F32", "F16", "BF16")   # safetensors dtypes that hold we
 
 
 class Loaded(NamedTuple):
-    """What read_checkpoint found: a config, Meta-named arrays, a tokenizer or None, and notes."""
+    """What read_checkpoint found: a config, Meta-named arrays, a tokenizer or None, notes, and the
+    memory the arrays take (worked out before they were read: io/footprint.py)."""
     config: LlamaConfig
     params: dict
     tokenizer: object
     notes: list
+    footprint: LoadFootprint | None = None
 
 
 def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig, storage: str, *, strict: bool,
-                   source: str, hf_config: bool, mapped: bool) -> tuple[dict, list]:
-    """Rename to Meta, check config and shapes, un-permute HF q/k, hold as `storage`. Returns (params, notes).
+                   source: str, hf_config: bool, mapped: bool) -> tuple[dict, list, LoadFootprint]:
+    """Rename to Meta, check config and shapes, un-permute HF q/k, hold as `storage`.
+
+    Returns (params, notes, footprint).
 
     tensors: {file name: array}, memory-mapped (map_safetensors, read_llama2c); codes: their
     safetensors dtype codes. A tensor already held as `storage` stays a view of the file when
@@ -179,6 +184,11 @@ def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig,
     if unexpected:
         warnings.warn(f"{source}: ignoring {len(unexpected)} unexpected tensors: {unexpected}", stacklevel=3)
         notes.append(f"ignored unexpected tensors {unexpected}")
+    permuted = {n for n in expected if naming == "hf" and n.endswith((".attention.wq.weight", ".attention.wk.weight"))}
+    # what the weights will take, from their shapes alone: the figure a fit check compares with the
+    # memory available before anything below allocates (npllama.memory, issue 11)
+    footprint = load_footprint({n: renamed[n] for n in expected}, storage, mapped=mapped, copied=permuted)
+    notes.append(f"holds {footprint.describe()}")
     params = {}
     for n in expected:
         t = renamed[n]
@@ -188,14 +198,14 @@ def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig,
         if not all_finite(held):
             raise CheckpointError(f"{source}: tensor {display(n)} holds NaN or infinite values; the file is corrupt "
                                   "or the weights overflowed the requested dtype")
-        if naming == "hf" and n.endswith((".attention.wq.weight", ".attention.wk.weight")):
+        if n in permuted:
             held = permute_hf_to_meta(held, cfg.n_heads if n.endswith("wq.weight") else cfg.n_kv_heads)
         if held is t and not mapped:
             held = t.copy()
         if held is not t:
             release_pages(t)
         params[n] = np.ascontiguousarray(held)
-    return params, notes
+    return params, notes, footprint
 
 
 def _config_from_json_file(path: Path) -> tuple[LlamaConfig, bool]:
@@ -283,9 +293,9 @@ def _read(path: Path, storage: str, strict: bool, mapped: bool) -> Loaded:
         suffix = path.suffix.lower()
         if suffix == ".bin":
             cfg, tensors = read_llama2c(path)
-            params, notes = _match_tensors(tensors, dict.fromkeys(tensors, "F32"), {}, cfg, storage, strict=True,
-                                           source=str(path), hf_config=False, mapped=mapped)
-            return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"] + notes)
+            params, notes, footprint = _match_tensors(tensors, dict.fromkeys(tensors, "F32"), {}, cfg, storage,
+                                                      strict=True, source=str(path), hf_config=False, mapped=mapped)
+            return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"] + notes, footprint)
         if suffix != ".safetensors":
             with open(path, "rb") as f:
                 refuse_pickle_magic(path, f.read(4))
@@ -303,9 +313,9 @@ def _read(path: Path, storage: str, strict: bool, mapped: bool) -> Loaded:
                 f"{path}: no config found: the metadata has no 'npllama_config' and there is no config.json "
                 "beside the file. Hint: put the model's config.json next to it")
         tokenizer = tokenizer_from_metadata(metadata, source)
-    params, notes = _match_tensors(tensors, codes, metadata, cfg, storage, strict=strict, source=source, hf_config=hf,
-                                   mapped=mapped)
-    return Loaded(cfg, params, tokenizer, notes)
+    params, notes, footprint = _match_tensors(tensors, codes, metadata, cfg, storage, strict=strict, source=source,
+                                              hf_config=hf, mapped=mapped)
+    return Loaded(cfg, params, tokenizer, notes, footprint)
 
 
 def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None, mmap: bool = True):
