@@ -31,6 +31,7 @@ ChunkedHalfLinear.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
@@ -126,15 +127,19 @@ class ChunkedHalfLinear:
 
     def __init__(self, max_in: int, dtype=np.float32):
         self.block_elements = HALF_BLOCK_ELEMENTS
-        self.buffer = np.empty(max(self.block_elements, max_in), dtype=dtype)
+        self.size, self.dtype = max(self.block_elements, max_in), dtype
+        self.local = threading.local()          # one buffer per thread (a step's row shards run on several)
 
     def __call__(self, w, x, out):
         """w (rows, in) half-held; x (B, in) and out (B, rows) in the buffer's dtype (float32; float64 in tests)."""
+        buffer = getattr(self.local, "buffer", None)
+        if buffer is None:
+            buffer = self.local.buffer = np.empty(self.size, dtype=self.dtype)
         rows, n_in = w.shape
         step = max(1, self.block_elements // n_in)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            block = self.buffer[:(r1 - r0) * n_in].reshape(r1 - r0, n_in)
+            block = buffer[:(r1 - r0) * n_in].reshape(r1 - r0, n_in)
             upcast_into(w[r0:r1], block)
             if x.shape[0] == 1:
                 matvec_into(block, x[0], out[0, r0:r1])
