@@ -48,12 +48,13 @@ DECODE_BLAS_THREADS = 1
 MIN_ROWS_PER_SHARD = 2
 
 # Weights up to this many bytes are copied once per generation into the stacked, norm-folded
-# layout; larger ones are read in place. Measured (batch 1, float32): the stacked copies win at
-# stories260K (1 MB) where calls dominate, tie at 8M (29 MB), and lose at 15M and 110M.
+# layout; larger ones are read in place. Measured (float32, interleaved, batch 1): the stacked
+# copies win by 1.4-1.5x up to 7 MB, where a step costs per NumPy call, and lose from 22 MB on
+# (8M: 700 vs 480 tok/s), where it costs per byte read; batch 8 ties from 7 MB on.
 STACKED_MAX_BYTES = 16 << 20
 
 
-def choose_layout(params: dict, batch_size: int) -> str:
+def choose_layout(params: dict) -> str:
     """"stacked" (copies, for small float models) or "in_place" (large, mapped or half-held ones)."""
     if has_half(params):
         return "in_place"
@@ -98,7 +99,7 @@ class DecodeStep:
     def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None):
         self.config = config
         cos, sin = rope
-        layout = choose_layout(params, batch_size) if layout is None else layout
+        layout = choose_layout(params) if layout is None else layout
         if layout == "stacked":
             self.projections = StackedProjections(params, config, batch_size)
         elif layout == "in_place":

@@ -158,7 +158,9 @@ def test_half_held_weights_decode_as_the_reference_on_the_same_values(cfg, B, st
     comparison is exact to 1e-10: the prefill and every decode step read them a layer or a block of
     rows at a time (here a few rows, so every matrix takes several blocks), and must give the
     reference's logits for the very same (upcast) values."""
-    with mock.patch.object(projections, "HALF_BLOCK_ELEMENTS", 2 * cfg.dim + 1):
+    with mock.patch.object(projections, "HALF_BLOCK_ELEMENTS", 2 * cfg.dim + 1), \
+            mock.patch.object(projections, "HALF_SPLIT_MIN_ELEMENTS", 1), \
+            mock.patch.object(projections, "available_cores", lambda: 2):     # and rows cut among two threads
         check_half_held_weights(cfg, B, storage, seed)
 
 
