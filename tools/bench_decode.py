@@ -9,7 +9,9 @@
 Decode. Each side decodes the same 8-token prompts greedily (batch 1 and 8 by default), one
 prefill then one token a step, 256 new tokens (fewer where max_seq_len ends sooner), timing
 prefill plus decode: npllama through npllama.generate.generate_batch, as `npllama generate` and
-Llama.generate run it, with the engine's own thread choices; PyTorch eager (Meta's model.py
+Llama.generate run it, with the engine's own thread choices ("auto": a batch's rows in shards
+on every core for large models, long prompts on every BLAS thread) and, where those use more
+than one core, also everything on one thread (1T), the better counted; PyTorch eager (Meta's model.py
 layout, preallocated KV cache, F.scaled_dot_product_attention, torch.inference_mode) on the
 same float32 weights, with 1 and with 2 threads, the better counted, in a subprocess of its own
 (torch's OpenMP threads spin after each call and would slow NumPy's BLAS in the same process);
@@ -44,6 +46,7 @@ Example output: README.md, section Speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -61,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import npllama  # noqa: E402
+from npllama.engine import decode  # noqa: E402
 from npllama.engine.blas import blas_threads, get_blas_threads  # noqa: E402
 from npllama.generate import generate, generate_batch  # noqa: E402
 from npllama.io.llama2c import llama2c_layout  # noqa: E402
@@ -367,10 +371,22 @@ class Row:
         runs = self.tok_s.get(side)
         return statistics.median(runs) if runs else None
 
-    def best(self, peer):
-        """(median tokens/s, thread count) of the peer's better thread count, or (None, "")."""
-        found = [(self.median(f"{peer} {t}T"), f"{t}T") for t in (1, 2) if self.median(f"{peer} {t}T")]
+    def best(self, side):
+        """(median tokens/s, how) of the side's better way of running (threads), or (None, "")."""
+        found = [(self.median(f"{side} {how}"), how) for how in ("auto", "1T", "2T") if self.median(f"{side} {how}")]
         return max(found) if found else (None, "")
+
+
+@contextlib.contextmanager
+def npllama_on_one_thread():
+    """npllama on one core: one BLAS thread throughout, and a batch's rows never cut into shards."""
+    saved = decode.MIN_ROWS_PER_SHARD
+    decode.MIN_ROWS_PER_SHARD = 1 << 30
+    try:
+        with blas_threads(1):
+            yield
+    finally:
+        decode.MIN_ROWS_PER_SHARD = saved
 
 
 def decode_round(row: Row, torch_side, runc):
@@ -378,7 +394,12 @@ def decode_round(row: Row, torch_side, runc):
     row.loads.append(load_average())
     start = time.perf_counter()
     ours = np.stack(generate_batch(row.model, list(row.prompt), n))
-    row.add("npllama", B * n / (time.perf_counter() - start))
+    row.add("npllama auto", B * n / (time.perf_counter() - start))
+    if B >= 2 * decode.MIN_ROWS_PER_SHARD:        # the engine would use every core: also time it on one
+        with npllama_on_one_thread():
+            start = time.perf_counter()
+            generate_batch(row.model, list(row.prompt), n)
+            row.add("npllama 1T", B * n / (time.perf_counter() - start))
     if torch_side is not None:
         for threads in (1, 2):
             seconds, theirs = torch_side.run(row.path, row.prompt, n, threads)
@@ -394,19 +415,20 @@ def print_decode_table(rows, bandwidth):
     best_bw = max(bandwidth.values())
     print(f"\ndecode: {PROMPT_LEN}-token prompts, greedy, float32; medians over the rounds; peers at their better "
           f"thread count (thr); roofline = weight bytes per step x steps/s against {best_bw:.1f} GB/s")
-    print(f"{'model':20s} {'batch':>5s} {'npllama':>9s} {'torch':>9s} {'thr':>3s} {'x torch':>8s} {'run.c':>8s} "
-          f"{'thr':>3s} {'x run.c':>8s} {'GB/s':>6s} {'roofline':>8s} {'same tok':>8s} {'load':>5s}")
+    print(f"{'model':20s} {'batch':>5s} {'npllama':>9s} {'thr':>4s} {'torch':>9s} {'thr':>3s} {'x torch':>8s} "
+          f"{'run.c':>8s} {'thr':>3s} {'x run.c':>8s} {'GB/s':>6s} {'roofline':>8s} {'same tok':>8s} {'load':>5s}")
     for row in rows:
-        ours = row.median("npllama")
+        ours, our_threads = row.best("npllama")
         theirs, torch_threads = row.best("torch")
         runc, runc_threads = row.best("run.c")
         gbs = weight_bytes_per_step(row.model) * ours / row.batch / 1e9
-        print(f"{row.label:20s} {row.batch:5d} {ours:9,.0f} {_num(theirs, 9)} {torch_threads:>3s} {_ratio(ours, theirs)} "
+        print(f"{row.label:20s} {row.batch:5d} {ours:9,.0f} {our_threads:>4s} {_num(theirs, 9)} {torch_threads:>3s} "
+              f"{_ratio(ours, theirs)} "
               f"{_num(runc, 8)} {runc_threads:>3s} {_ratio(ours, runc)} {gbs:6.1f} {gbs / best_bw:8.0%} "
               f"{statistics.mean(row.agree) if row.agree else float('nan'):8.1%} {statistics.median(row.loads):5.1f}")
     if any(row.median("run.c 2T") for row in rows):
         print("run.c with OpenMP on 2 threads, as llama2.c builds it: " + ", ".join(
-            f"{row.label} {row.median('run.c 2T'):,.0f} ({row.median('npllama') / row.median('run.c 2T'):.2f}x)"
+            f"{row.label} {row.median('run.c 2T'):,.0f} ({row.best('npllama')[0] / row.median('run.c 2T'):.2f}x)"
             for row in rows if row.median("run.c 2T")))
     print("\nevery round (tokens/s):")
     for row in rows:
@@ -434,16 +456,21 @@ def prefill_rounds(path, model, tokens, repeats, torch_side):
         loads.append(load_average())
         start = time.perf_counter()
         generate(model, prompt[0], 1)
-        found.setdefault("npllama", []).append(tokens / (time.perf_counter() - start))
+        found.setdefault("npllama auto", []).append(tokens / (time.perf_counter() - start))
+        with npllama_on_one_thread():
+            start = time.perf_counter()
+            generate(model, prompt[0], 1)
+            found.setdefault("npllama 1T", []).append(tokens / (time.perf_counter() - start))
         if torch_side is not None:
             for threads in (1, 2):
                 seconds, _ = torch_side.run(path, prompt, 1, threads)
                 found.setdefault(f"torch {threads}T", []).append(tokens / seconds)
     medians = {side: statistics.median(v) for side, v in found.items()}
     best_torch = max((v for s, v in medians.items() if s.startswith("torch")), default=None)
+    best_ours = max(v for s, v in medians.items() if s.startswith("npllama"))
     print(f"\nprefill of {tokens} tokens, {path.name}, batch 1 (tokens/s, medians of {repeats}; load "
           f"{statistics.median(loads):.1f}): " + ", ".join(f"{s} {v:,.0f}" for s, v in medians.items())
-          + (f"; npllama / best torch {medians['npllama'] / best_torch:.2f}x" if best_torch else ""))
+          + (f"; best npllama / best torch {best_ours / best_torch:.2f}x" if best_torch else ""))
 
 
 # ----------------------------------------------------------------------------- memory of loading

@@ -45,7 +45,7 @@ DECODE_BLAS_THREADS = 1
 # on a busy machine, wait for each other there (measured at 110M, 8 rows: 1 BLAS thread ~107
 # tok/s; 2 BLAS threads 21-182, by the load). Each shard reads all the weights, so a shard needs
 # rows enough to be compute-bound.
-MIN_ROWS_PER_SHARD = 2
+MIN_ROWS_PER_SHARD = 4
 
 # Weights up to this many bytes are copied once per generation into the stacked, norm-folded
 # layout; larger ones are read in place. Measured (float32, interleaved, batch 1): the stacked
