@@ -9,8 +9,8 @@
 Decode. Each side decodes the same 8-token prompts greedily (batch 1 and 8 by default), one
 prefill then one token a step, 256 new tokens (fewer where max_seq_len ends sooner), timing
 prefill plus decode: npllama through npllama.generate.generate_batch, as `npllama generate` and
-Llama.generate run it, with the engine's own thread choices ("auto": a batch's rows in shards
-on every core for large models, long prompts on every BLAS thread) and, where those use more
+Llama.generate run it, with the engine's own thread choices ("auto": every BLAS thread for the
+GEMMs of a batch on a large model and of a long prompt, one elsewhere) and, where those use more
 than one core, also everything on one thread (1T), the better counted; PyTorch eager (Meta's model.py
 layout, preallocated KV cache, F.scaled_dot_product_attention, torch.inference_mode) on the
 same float32 weights, with 1 and with 2 threads, the better counted, in a subprocess of its own
@@ -46,7 +46,6 @@ Example output: README.md, section Speed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -377,16 +376,9 @@ class Row:
         return max(found) if found else (None, "")
 
 
-@contextlib.contextmanager
 def npllama_on_one_thread():
-    """npllama on one core: one BLAS thread throughout, and a batch's rows never cut into shards."""
-    saved = decode.MIN_ROWS_PER_SHARD
-    decode.MIN_ROWS_PER_SHARD = 1 << 30
-    try:
-        with blas_threads(1):
-            yield
-    finally:
-        decode.MIN_ROWS_PER_SHARD = saved
+    """npllama on one core: one BLAS thread throughout (the engine's steps keep an outer setting)."""
+    return blas_threads(1)
 
 
 def decode_round(row: Row, torch_side, runc):
@@ -395,7 +387,7 @@ def decode_round(row: Row, torch_side, runc):
     start = time.perf_counter()
     ours = np.stack(generate_batch(row.model, list(row.prompt), n))
     row.add("npllama auto", B * n / (time.perf_counter() - start))
-    if B >= 2 * decode.MIN_ROWS_PER_SHARD:        # the engine would use every core: also time it on one
+    if B >= decode.MIN_THREADED_ROWS:          # the engine would use every core: also time it on one
         with npllama_on_one_thread():
             start = time.perf_counter()
             generate_batch(row.model, list(row.prompt), n)

@@ -28,10 +28,9 @@ from ..config import LlamaConfig
 from ..kvcache import KVCache
 from .blas import blas_threads
 from .projections import InPlaceProjections, StackedProjections
-from .shards import _executor as shard_executor, available_cores
 from .upcast import has_half
 
-# A step's matmuls, at one row per prompt, are small or bandwidth-bound: a second OpenBLAS thread
+# A step's matmuls, at one row per prompt or on a small model, are small or bandwidth-bound: a second OpenBLAS thread
 # costs more in hand-off than it saves, and on a busy machine its spin-waiting is ruinous (measured
 # on 2 cores under load: 431 vs 98 tok/s for an 8M model at batch 1; 110M matvecs 0.6-5 GB/s on
 # two threads against 17-30 on one). Set for each step and restored after it, so a paused
@@ -39,13 +38,13 @@ from .upcast import has_half
 # runs on the calling thread whatever this says.)
 DECODE_BLAS_THREADS = 1
 
-# A step of several rows on a large model is compute-bound (110M, 8 rows: ~1.8 GFLOP a step), so
-# its rows are cut into shards run on one thread per core, each shard a whole step with one BLAS
-# thread: a single hand-off a step, where OpenBLAS's own threads would meet at every matmul and,
-# on a busy machine, wait for each other there (measured at 110M, 8 rows: 1 BLAS thread ~107
-# tok/s; 2 BLAS threads 21-182, by the load). Each shard reads all the weights, so a shard needs
-# rows enough to be compute-bound.
-MIN_ROWS_PER_SHARD = 4
+# A step of several rows on a large model is compute-bound (110M, 8 rows: 1.8 GFLOP a step), so its
+# GEMMs keep the process's BLAS threads, which split each matrix's rows among the cores (measured at
+# 110M, 8 rows, load 1.2: 170 tok/s against 104 on one thread; cutting the batch into row shards on
+# Python threads instead gave 120, since a GEMM of 4 rows costs 1.7x per row one of 8). On a busy
+# machine OpenBLAS's threads wait for each other at every matmul (load 4: 10-40 tok/s); there, run
+# generation inside npllama.engine.blas_threads(1), whose setting these steps then keep.
+MIN_THREADED_ROWS = 4
 
 # Weights up to this many bytes are copied once per generation into the stacked, norm-folded
 # layout; larger ones are read in place. Measured (float32, interleaved, batch 1): the stacked
@@ -109,9 +108,8 @@ class DecodeStep:
         self.layout = layout
         self.complex_dtype = np.result_type(cos.dtype, np.complex64)
         self.rotations = (cos + 1j * sin).astype(self.complex_dtype)      # (max_seq_len, Dh/2): e^(i p theta_j)
-        workers = min(available_cores(), batch_size // MIN_ROWS_PER_SHARD) if layout == "in_place" else 1
-        self.row_shards = [slice(r[0], r[-1] + 1) for r in np.array_split(np.arange(batch_size), workers)] \
-            if workers > 1 else None
+        threaded = layout == "in_place" and batch_size >= MIN_THREADED_ROWS
+        self.blas_threads = None if threaded else DECODE_BLAS_THREADS     # None: as the process has it
 
     def __call__(self, ids: np.ndarray, pos: int, kv_cache: DecodeCache,
                  key_bias: np.ndarray | None = None) -> np.ndarray:
@@ -121,22 +119,15 @@ class DecodeStep:
         key_bias, when given, broadcasts to (B, KVH, R, pos + 1): 0 where a key may be attended,
         -inf where not.
         """
-        with blas_threads(DECODE_BLAS_THREADS):
-            if self.row_shards is None or len(ids) != self.row_shards[-1].stop:
-                return self._step(ids, pos, kv_cache.k, kv_cache.v, key_bias)
-            whole = key_bias is None or key_bias.shape[0] == 1
-            futures = [shard_executor(len(self.row_shards)).submit(
-                self._step, ids[rows], pos, kv_cache.k[:, rows], kv_cache.v[:, rows],
-                key_bias if whole else key_bias[rows]) for rows in self.row_shards]
-            return np.concatenate([f.result() for f in futures])
+        with blas_threads(self.blas_threads):
+            return self._step(ids, pos, kv_cache, key_bias)
 
-    def _step(self, ids, pos, k, v, key_bias):
-        """The step for rows ids (B,) whose caches are k, v (L, B, ...): see __call__."""
+    def _step(self, ids, pos, kv_cache, key_bias):
         proj = self.projections
         x = proj.embed(ids)                                                 # (B,) -> (B, D)
         rotation = self.rotations[pos]                                      # (Dh/2,) complex
         with np.errstate(over="ignore"):                                    # silu: exp(-a) -> inf gives 0, right
-            for layer, k_cache, v_cache in zip(proj.layers, k, v):
+            for layer, k_cache, v_cache in zip(proj.layers, kv_cache.k, kv_cache.v):
                 qkv = proj.qkv(layer, x)                                    # (B, D) -> (B, (H + 2 KVH) Dh)
                 x = x + proj.o(layer, self._attend(qkv, rotation, pos, k_cache, v_cache, key_bias))
                 ab = proj.gate_up(layer, x)                                 # (B, D) -> (B, 2F)

@@ -31,13 +31,11 @@ ChunkedHalfLinear.
 from __future__ import annotations
 
 import functools
-import threading
 
 import numpy as np
 
 from ..config import LlamaConfig
 from ..model import layer_weights, output_weight_name
-from .shards import _executor as shard_executor, available_cores
 from .stacked import fold_norms, stack_layers
 from .upcast import upcast, upcast_into
 
@@ -59,9 +57,9 @@ else:
 # Rows of a half-held matrix turned into float32 at a time: about 2^18 weights, a 1 MB buffer that
 # stays in L2 (measured at 110M: 64K-256K weights a block are best, a whole matrix ~10% slower; at
 # 7B the larger blocks keep the Python loop, ~8 us a block, under a tenth of a token's time).
+# The upcast is compute-bound (~2 G weights/s a core); cutting a matrix's rows among two Python
+# threads gained nothing here, with the second core taken by other work (110M float16: 15.5 vs 16.4).
 HALF_BLOCK_ELEMENTS = 1 << 18
-# Half-held matrices of at least this many weights are shared among the cores for one row (None: never).
-HALF_SPLIT_MIN_ELEMENTS = 1 << 20
 
 # Up to this many rows, a GEMM through an (out, in) matrix runs as (W @ x.T).T (see linear_in_place).
 FEW_ROWS = 16
@@ -127,43 +125,19 @@ class StackedProjections:
 
 class ChunkedHalfLinear:
     """out = x @ W.T for a half-held W (rows, in): a block of rows at a time is turned into float32
-    in a buffer that stays in cache (engine.upcast.upcast_into) and multiplied there.
-
-    For one row of x the upcast, not memory, is the bottleneck (~2 G weights/s a core), so a large
-    W's rows are cut among one thread per core, one hand-off per matrix (measured at 110M: 1.5x).
-    Several rows of x come here from a step whose rows already run on every core: no cut then.
-    """
+    in a buffer that stays in cache (engine.upcast.upcast_into) and multiplied there."""
 
     def __init__(self, max_in: int, dtype=np.float32):
         self.block_elements = HALF_BLOCK_ELEMENTS
-        self.size, self.dtype = max(self.block_elements, max_in), dtype
-        self.local = threading.local()          # one buffer per thread
-        self.workers = available_cores() if HALF_SPLIT_MIN_ELEMENTS is not None else 1
-        self.split_min = HALF_SPLIT_MIN_ELEMENTS
+        self.buffer = np.empty(max(self.block_elements, max_in), dtype=dtype)
 
     def __call__(self, w, x, out):
         """w (rows, in) half-held; x (B, in) and out (B, rows) in the buffer's dtype (float32; float64 in tests)."""
-        rows = w.shape[0]
-        if x.shape[0] > 1 or self.workers == 1 or w.size < self.split_min:
-            self._rows(w, x, out, 0, rows)
-            return
-        cuts = np.linspace(0, rows, self.workers + 1).astype(int)
-        futures = [shard_executor(self.workers).submit(self._rows, w, x, out, a, b)
-                   for a, b in zip(cuts[1:-1], cuts[2:])]
-        self._rows(w, x, out, 0, cuts[1])
-        for f in futures:
-            f.result()
-
-    def _rows(self, w, x, out, first, end):
-        """out[:, first:end] from w[first:end], a block at a time through this thread's buffer."""
-        buffer = getattr(self.local, "buffer", None)
-        if buffer is None:
-            buffer = self.local.buffer = np.empty(self.size, dtype=self.dtype)
-        n_in = w.shape[1]
+        rows, n_in = w.shape
         step = max(1, self.block_elements // n_in)
-        for r0 in range(first, end, step):
-            r1 = min(end, r0 + step)
-            block = buffer[:(r1 - r0) * n_in].reshape(r1 - r0, n_in)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            block = self.buffer[:(r1 - r0) * n_in].reshape(r1 - r0, n_in)
             upcast_into(w[r0:r1], block)
             if x.shape[0] == 1:
                 matvec_into(block, x[0], out[0, r0:r1])

@@ -85,18 +85,7 @@ def test_many_shards_on_two_threads_equal_the_reference(monkeypatch):
     assert all(rel_error(grads[n], expected_grads[n]) < TOL for n in grads)
 
 
-LAYOUTS = st.sampled_from(["stacked", "in_place", "in_place, rows on threads"])
-
-
-def decode_step(model, B, layout):
-    """A DecodeStep in the given layout; "in_place, rows on threads" cuts any batch of 2 or more rows
-    into shards run on two threads (normally only batches of large models are)."""
-    if layout != "in_place, rows on threads":
-        return DecodeStep(model.params, model.config, model.rope, B, layout=layout)
-    with mock.patch.object(decode, "MIN_ROWS_PER_SHARD", 1), mock.patch.object(decode, "available_cores", lambda: 2):
-        step = DecodeStep(model.params, model.config, model.rope, B, layout="in_place")
-    assert (step.row_shards is not None) == (B > 1)
-    return step
+LAYOUTS = st.sampled_from(["stacked", "in_place"])
 
 
 @settings(max_examples=20)
@@ -107,7 +96,7 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
     kv = model.new_kv_cache(B)
     prefill = model.forward(seq[:, :P], kv_cache=kv)
     assert rel_error(prefill, reference.forward(model.params, cfg, seq[:, :P])[0]) < TOL
-    step = decode_step(model, B, layout)
+    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout)
     for pos in range(P, cfg.max_seq_len):
         logits = step(seq[:, pos], pos, kv)
         expected = reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]
@@ -129,7 +118,7 @@ def test_masked_forward_and_decode_with_key_bias_equal_the_reference(cfg, layout
     kv = model.new_kv_cache(B)
     got = model.forward(tokens[:, :P], kv_cache=kv, mask=mask)
     assert rel_error(got, reference.forward(model.params, cfg, tokens[:, :P], mask=mask)[0]) < TOL
-    step = decode_step(model, B, layout)
+    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout)
     for pos in range(P, P + 3):
         keys = np.arange(pos + 1)
         allowed = keys[None, :] >= pads[:, None]                                # (B, S)
@@ -158,9 +147,7 @@ def test_half_held_weights_decode_as_the_reference_on_the_same_values(cfg, B, st
     comparison is exact to 1e-10: the prefill and every decode step read them a layer or a block of
     rows at a time (here a few rows, so every matrix takes several blocks), and must give the
     reference's logits for the very same (upcast) values."""
-    with mock.patch.object(projections, "HALF_BLOCK_ELEMENTS", 2 * cfg.dim + 1), \
-            mock.patch.object(projections, "HALF_SPLIT_MIN_ELEMENTS", 1), \
-            mock.patch.object(projections, "available_cores", lambda: 2):     # and rows cut among two threads
+    with mock.patch.object(projections, "HALF_BLOCK_ELEMENTS", 2 * cfg.dim + 1):
         check_half_held_weights(cfg, B, storage, seed)
 
 
@@ -189,7 +176,7 @@ def test_half_held_weights_in_float32_decode_as_their_float32_values():
     for storage in ("float16", "bfloat16"):
         half = npllama.Llama.from_params(cfg, model.params, dtype=storage)
         values = npllama.Llama.from_params(cfg, {n: to_float(p) for n, p in half.params.items()})
-        for B in (1, 4):                           # 4 rows: two shards on two threads, each with its buffer
+        for B in (1, 4):
             seq = np.random.default_rng(B).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
             kv_half, kv_values = half.new_kv_cache(B), values.new_kv_cache(B)
             half.forward(seq[:, :4], kv_cache=kv_half)
