@@ -27,7 +27,7 @@ import numpy as np
 from ..config import LlamaConfig
 from ..kvcache import KVCache
 from .blas import blas_threads
-from .projections import InPlaceProjections, StackedProjections
+from .projections import FEW_ROWS, InPlaceProjections, StackedProjections
 from .upcast import has_half
 
 # A step's matmuls, at one row per prompt or on a small model, are small or bandwidth-bound: a second OpenBLAS thread
@@ -38,19 +38,20 @@ from .upcast import has_half
 # runs on the calling thread whatever this says.)
 DECODE_BLAS_THREADS = 1
 
-# A step of several rows on a large model is compute-bound (110M, 8 rows: 1.8 GFLOP a step), so its
-# GEMMs keep the process's BLAS threads, which split each matrix's rows among the cores (measured at
-# 110M, 8 rows, load 1.2: 170 tok/s against 104 on one thread; cutting the batch into row shards on
-# Python threads instead gave 120, since a GEMM of 4 rows costs 1.7x per row one of 8). On a busy
-# machine OpenBLAS's threads wait for each other at every matmul (load 4: 10-40 tok/s); there, run
+# A step of up to projections.FEW_ROWS rows runs its GEMMs through OpenBLAS's small-matrix
+# kernels (projections.few_rows_gemm), which use one thread and beat its threaded GEMM even with
+# both cores free (110M, 8 rows: 157 tok/s against 104 for one GEMM on one thread and 10-170 on two,
+# by the load). Larger batches on large models are compute-bound GEMMs that keep the process's BLAS
+# threads; on a busy machine, where OpenBLAS's threads wait for each other at every matmul, run
 # generation inside npllama.engine.blas_threads(1), whose setting these steps then keep.
-MIN_THREADED_ROWS = 4
+MIN_THREADED_ROWS = FEW_ROWS + 1
 
 # Weights up to this many bytes are copied once per generation into the stacked, norm-folded
-# layout; larger ones are read in place. Measured (float32, interleaved, batch 1): the stacked
-# copies win by 1.4-1.5x up to 7 MB, where a step costs per NumPy call, and lose from 22 MB on
-# (8M: 700 vs 480 tok/s), where it costs per byte read; batch 8 ties from 7 MB on.
-STACKED_MAX_BYTES = 16 << 20
+# layout, which saves NumPy calls; larger ones are read in place, with no copy. Measured (float32,
+# interleaved): the stacked copies win by 1.5x at stories260K (1 MB), where a step costs per call,
+# and by 5-10% at 8M (29 MB) and 15M (61 MB); at 110M (438 MB) the two are within 5% at batch 1
+# and tie at batch 8, and a copy would double the memory of a model that costs per byte read.
+STACKED_MAX_BYTES = 64 << 20
 
 
 def choose_layout(params: dict) -> str:
