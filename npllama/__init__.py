@@ -4,7 +4,8 @@ The public surface (see CONTRACT.md): LlamaConfig, Llama, load, save, AdamW, cli
 NpllamaError, the ValueError every error npllama raises on purpose derives from.
 
 Layers, each importing only from those before it (tests/test_layout.py checks it):
-    errors, checks, config, memory  the error family, argument checks, the blueprint, memory estimates
+    errors, checks, storage,        the error family, argument checks, the dtypes weights are held in,
+    config, memory                  the blueprint, memory estimates
     tokenizer_json, tokenizers      text <-> ids
     ops, kvcache, model, lora       the reference math: pure functions a reader reads
     optim, sampling, gradcheck      AdamW and clipping, choosing tokens, numerical gradients

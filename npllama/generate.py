@@ -12,8 +12,9 @@ RoPE rotates q and k by their absolute positions and attention is causal, this g
 logits as running the full sequence again (tests/test_generate.py checks it to 1e-10 in float64).
 
 The decode step itself is npllama.engine.DecodeStep: the same arithmetic as the model's forward
-with T = 1, rearranged into fewer, larger NumPy calls, because for small models the cost of a
-step is the number of calls, not the flops. Prompts of different lengths are batched by
+with T = 1, rearranged into fewer, larger NumPy calls for small models, where the cost of a step
+is the number of calls, and reading the weights in place for large ones, where it is the bytes
+of weights read. Prompts of different lengths are batched by
 left-padding them to one length and masking the padded keys.
 """
 
@@ -24,7 +25,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .checks import check_int, is_integer
-from .engine import DecodeStep
+from .engine import DecodeStep, inference
 from .sampling import check_sampling_args, choose_next
 
 PAD_ID = 0  # fills the left of shorter prompts; masked out, so any valid id would do
@@ -146,7 +147,9 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
             key_bias[..., :P] = np.where(s >= pads[:, None], 0.0, -np.inf)[:, None, None, :]
         else:
             mask, key_bias = None, None
-        logits = model.forward(tokens, kv_cache=kv, start_pos=0, mask=mask)[:, -1]
+        # model.forward's arithmetic, keeping no activations and computing the last position's logits only
+        logits = inference.forward(model.params, cfg, model.rope, tokens, kv_cache=kv, mask=mask, last_only=True)
+        kv.length = P
         return logits, P, key_bias
 
     if max_new_tokens == 0:

@@ -27,10 +27,16 @@ from .errors import NpllamaError
 from .kvcache import KVCache
 from .lora import LoraSpec, adapter_shapes, check_adapters, init_adapters, merge
 from .model import TokenError, check_tokens, init_params, model_rope_tables
+from .storage import (STORAGE_DTYPES, compute_dtype_of, is_half, nbytes_per_element, storage_dtype_name,
+                      storage_name_of, to_storage)
 
 
 class Llama:
-    """A LLaMA-2 model: config, params (Meta names -> arrays), dtype, and an optional tokenizer."""
+    """A LLaMA-2 model: config, params (Meta names -> arrays), dtype, and an optional tokenizer.
+
+    dtype is the precision the model computes in (float32 or float64); the weights are held in
+    it too, unless loaded at half precision (storage_dtype float16 or bfloat16, see from_params).
+    """
 
     def __init__(self, config: LlamaConfig, seed: int = 0, dtype=np.float32):
         if not isinstance(config, LlamaConfig):
@@ -58,8 +64,13 @@ class Llama:
 
     @classmethod
     def from_params(cls, config: LlamaConfig, params: dict, dtype=None) -> "Llama":
-        """A model holding the given arrays (cast to dtype; default: their own dtype if float32/64).
+        """A model holding the given arrays, converted to dtype (default: their own dtype when it is
+        one npllama holds, else float32). Arrays already of that dtype are used as they are, not
+        copied (a memory-mapped file stays mapped).
 
+        dtype np.float16 or "bfloat16" holds the weights at half precision, half the memory of
+        float32 (bfloat16 as its raw bits, uint16 arrays: npllama.storage); such a model computes
+        in float32, one layer at a time (model.dtype is then float32).
         Names and shapes are compared before anything is used; every problem is reported at once.
         """
         expected = config.param_shapes()
@@ -72,17 +83,26 @@ class Llama:
                      (("missing", missing), ("unexpected", unexpected), ("wrong shapes", misshapen)) if names]
             raise NpllamaError("parameters do not fit the config: " + "; ".join(parts))
         if dtype is None:
-            first = np.asarray(params["tok_embeddings.weight"]).dtype
-            dtype = first if first in (np.float32, np.float64) else np.float32
-        dtype = check_dtype(dtype)
-        copies = sum(memory.array_bytes(np.size(params[n]), dtype.itemsize) for n in expected
-                     if not (isinstance(params[n], np.ndarray) and params[n].dtype == dtype))
-        memory.require(copies + memory.rope_bytes(config, dtype.itemsize),
-                       f"a {dtype.name} model with max_seq_len={config.max_seq_len}",
-                       "a smaller max_seq_len (npllama.load(..., max_seq_len=N)) or dtype float32")
+            own = storage_name_of(np.asarray(params["tok_embeddings.weight"]))
+            storage = own if own in STORAGE_DTYPES else "float32"
+        else:
+            storage = storage_dtype_name(dtype)
+        compute = compute_dtype_of(storage)
+        copies = sum(memory.array_bytes(np.size(params[n]), nbytes_per_element(storage)) for n in expected
+                     if not (isinstance(params[n], np.ndarray) and storage_name_of(params[n]) == storage))
+        memory.require(copies + memory.rope_bytes(config, compute.itemsize),
+                       f"a model held in {storage} with max_seq_len={config.max_seq_len}",
+                       "a smaller max_seq_len (npllama.load(..., max_seq_len=N)), or weights held in float16")
         model = cls.__new__(cls)
-        model._setup(config, {n: np.ascontiguousarray(params[n], dtype=dtype) for n in expected}, dtype)
+        held = {n: np.ascontiguousarray(to_storage(np.asarray(params[n]), storage)) for n in expected}
+        model._setup(config, held, compute)
         return model
+
+    @property
+    def storage_dtype(self) -> str:
+        """The dtype the weights are held in: "float32", "float64", "float16" or "bfloat16"
+        (npllama.storage); model.dtype is the one the model computes in."""
+        return storage_name_of(self.params["tok_embeddings.weight"])
 
     def new_kv_cache(self, batch_size: int = 1) -> KVCache:
         """An empty cache for batch_size rows, in the layout the engine's decode step reads fastest."""
@@ -135,6 +155,10 @@ class Llama:
             in shard order, so a call gives the same bits whatever the threads' timing; the number
             of shards (and so the rounding) depends on `workers` and the batch's size only.
         """
+        if is_half(self.storage_dtype):
+            raise NpllamaError(f"this model holds its weights in {self.storage_dtype}, which npllama keeps for "
+                               "inference only (forward and generate compute in float32); training needs float32 "
+                               "or float64 weights: load them with npllama.load(path, dtype=np.float32)")
         tokens = check_tokens(tokens, self.config)
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
@@ -182,7 +206,8 @@ class Llama:
         return sum(p.size for p in self.params.values())
 
     def __repr__(self):
-        return f"Llama({self.config}, dtype={self.dtype.name}, params={self.n_params():,})"
+        held = f", storage_dtype={self.storage_dtype}" if self.storage_dtype != self.dtype.name else ""
+        return f"Llama({self.config}, dtype={self.dtype.name}{held}, params={self.n_params():,})"
 
 
 class LoraLlama:
@@ -205,6 +230,10 @@ class LoraLlama:
             raise ValueError(f"base must be an npllama.Llama, got {type(base).__name__}")
         if not isinstance(spec, LoraSpec):
             raise ValueError(f"spec must be an npllama.lora.LoraSpec, got {type(spec).__name__}")
+        if is_half(base.storage_dtype):
+            raise NpllamaError(f"the base model holds its weights in {base.storage_dtype}, which npllama keeps for "
+                               "inference only; LoRA needs a float32 or float64 base: load it with "
+                               "npllama.load(path, dtype=np.float32)")
         self.base, self.spec = base, spec
         self.config, self.dtype, self.rope = base.config, base.dtype, base.rope
         self.tokenizer = base.tokenizer

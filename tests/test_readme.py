@@ -97,6 +97,8 @@ COVERAGE = {
         Run(needs=STORIES, stdout="Once upon a time"),
     "npllama generate -m stories260K.bin --prompt-ids 1,403,407 -n 50 --temp 0":
         Run(needs=STORIES, stdout="1 403 407 261 378"),
+    "npllama generate -m stories260K.bin --tokenizer tok512.model --dtype bfloat16 -p \"Once upon a time\"":
+        Run(needs=STORIES, stdout="Once upon a time"),
     "npllama generate --help": Run(stdout="--max-new-tokens"),
     # Fine-tuning
     "npllama generate -m stories260K.bin --tokenizer tok512.model -p \"ROMEO:\" -n 60 -s 1": FINETUNE,

@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from ..generate import generate_stream
 from ..io import load
 from ..tokenizers import tokenizer_from_file
@@ -96,7 +94,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sliding-window", action="store_true",
                    help="when prompt + N passes the model's max_seq_len, keep going: the newest half of the "
                         "context is re-read from position 0 each time the context fills (without it, an error)")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute precision")
+    p.add_argument("--dtype", choices=["float32", "float64", "float16", "bfloat16"], default="float32",
+                   help="precision the weights are held in: float32 or float64 (computed in it too), or float16 / "
+                        "bfloat16, half the memory of float32, computed in float32 a layer at a time (for models "
+                        "whose float32 copy does not fit; slower than float32)")
     p.set_defaults(func=run)
     return p
 
@@ -115,7 +116,7 @@ def _load(args):
         raise FileNotFoundError(f"no --model given and the default model {path} is missing from the installed "
                                 "package; reinstall npllama (its wheel carries the model; in a git checkout the "
                                 "file is a link to weights/shakespeare-char.safetensors) or pass --model PATH")
-    model = load(path, dtype=np.dtype(args.dtype))
+    model = load(path, dtype=args.dtype)
     tokenizer = getattr(model, "tokenizer", None)
     if args.tokenizer:
         tokenizer = tokenizer_from_file(args.tokenizer)

@@ -12,7 +12,12 @@ float64, 1e-10 relative, on hypothesis-drawn configs):
     memory.keep_freed_memory                  glibc keeps a step's freed arrays for the next step
     passes.forward / passes.loss_and_grads   the reference's model-level passes in shards, with the
                                               blocks on stacked weights (block.py, stacked.py)
-    decode.DecodeStep, DecodeCache            one token per row through the KV cache, fused
+    decode.DecodeStep, DecodeCache            one token per row through the KV cache, fused; the
+                                              weights stacked (small models) or read in place
+                                              (large, memory-mapped or half-held ones: projections.py)
+    inference.forward                         a forward with nothing to differentiate (prefill):
+                                              one layer's weights and activations at a time
+    upcast                                    float16 / bfloat16 weights into float32, exactly
     lora.lora_blocks                          LoRA: the block on frozen stacks plus adapters, no
                                               weight gradients (npllama.LoraLlama runs it)
     blas.blas_threads                         OpenBLAS's thread count, set for a block and restored
@@ -24,12 +29,12 @@ changes: BLAS threads, restored on return; its thread pool and glibc's threshold
 freed memory back (memory.py), both made once and kept. A reader can ignore it.
 """
 
-from . import training
+from . import inference, training
 from .adamw import FusedAdamW
 from .blas import blas_threads
 from .decode import DecodeCache, DecodeStep
 from .passes import forward, loss_and_grads
 from .shards import pass_footprint
 
-__all__ = ["blas_threads", "DecodeCache", "DecodeStep", "forward", "FusedAdamW", "loss_and_grads", "pass_footprint",
-           "training"]
+__all__ = ["blas_threads", "DecodeCache", "DecodeStep", "forward", "FusedAdamW", "inference", "loss_and_grads",
+           "pass_footprint", "training"]

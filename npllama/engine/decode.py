@@ -4,47 +4,61 @@
     logits = step(ids, pos, kv_cache)            # ids (B,) at position pos -> logits (B, V)
 
 Equal, up to rounding, to model.forward(params, config, ids[:, None], kv_cache=kv_cache,
-start_pos=pos)[:, 0] (tests/engine/ checks 1e-10 in float64). For a small model a step costs
-per NumPy call, not per flop, so the same arithmetic is laid out in fewer, larger calls:
-  - the weights are the engine's stacked ones (engine.stacked): one GEMM for [wq; wk; wv] and
-    one for [w1; w3], with the RMSNorm weights and 1/sqrt(Dh) folded in (stacked.fold_norms), and
-    stored in the orientation OpenBLAS runs fastest for the batch size;
+start_pos=pos)[:, 0] (tests/engine/ checks 1e-10 in float64). The block is the reference's,
+in fewer, larger NumPy calls:
+  - the linear layers are a Projections object (engine.projections), one of two layouts chosen
+    by the size of the weights: stacked, norm-folded copies for small models, whose steps cost
+    per NumPy call, or the parameters read in place for large ones, whose steps cost per byte of
+    weights read (and whose weights may be memory-mapped, or held in float16 / bfloat16);
   - one query needs no causal mask: every cached key 0 .. pos is in its past (a left-padded
     batch passes key_bias, -inf on its padded keys);
   - RoPE rotates q and k together with one complex multiply, as Meta's reference does: the
     pair (x[2i], x[2i+1]) read as x[2i] + i x[2i+1], times cos + i sin, is the rotation
         y[2i] = x[2i] cos - x[2i+1] sin,   y[2i+1] = x[2i] sin + x[2i+1] cos;
-  - RMSNorm is then one row sum and one division.
+  - the softmax denominator comes out of the same matmul as its numerator (DecodeCache).
 The cache is a DecodeCache, a KVCache in the layout the step reads fastest: the prefill
 (model.forward over the prompt) fills it through KVCache.append, and each step adds one position.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from ..config import LlamaConfig
 from ..kvcache import KVCache
-from ..model import output_weight_name
 from .blas import blas_threads
-from .stacked import fold_norms, stack_layers
+from .projections import FEW_ROWS, InPlaceProjections, StackedProjections
+from .upcast import has_half
 
-# row_dot(a, b): sum(a * b) over the last axis, kept, (B, D) -> (B, 1). np.vecdot (NumPy >= 2.0) is
-# one ufunc call, half of einsum's time at D = 64; NumPy 1.x gets the einsum.
-if hasattr(np, "vecdot"):
-    row_dot = functools.partial(np.vecdot, keepdims=True)
-else:
-    def row_dot(a, b):
-        return np.einsum("...d,...d->...", a, b)[..., None]
-
-
-# A step's matmuls are tiny (one row per prompt), so a second OpenBLAS thread costs more in
-# hand-off than it saves, and on a busy machine its spin-waiting is ruinous (measured on 2 cores
-# under load: 431 vs 98 tok/s for an 8M model at batch 1). Set for each step and restored after
-# it, so a paused generator leaves the process as it found it.
+# A step's matmuls, at one row per prompt or on a small model, are small or bandwidth-bound: a second OpenBLAS thread
+# costs more in hand-off than it saves, and on a busy machine its spin-waiting is ruinous (measured
+# on 2 cores under load: 431 vs 98 tok/s for an 8M model at batch 1; 110M matvecs 0.6-5 GB/s on
+# two threads against 17-30 on one). Set for each step and restored after it, so a paused
+# generator leaves the process as it found it. (np.vecdot, the one-row matvec of large models,
+# runs on the calling thread whatever this says.)
 DECODE_BLAS_THREADS = 1
+
+# A step of up to projections.FEW_ROWS rows runs its GEMMs through OpenBLAS's small-matrix
+# kernels (projections.few_rows_gemm), which use one thread and beat its threaded GEMM even with
+# both cores free (110M, 8 rows: 157 tok/s against 104 for one GEMM on one thread and 10-170 on two,
+# by the load). Larger batches on large models are compute-bound GEMMs that keep the process's BLAS
+# threads; on a busy machine, where OpenBLAS's threads wait for each other at every matmul, run
+# generation inside npllama.engine.blas_threads(1), whose setting these steps then keep.
+MIN_THREADED_ROWS = FEW_ROWS + 1
+
+# Weights up to this many bytes are copied once per generation into the stacked, norm-folded
+# layout, which saves NumPy calls; larger ones are read in place, with no copy. Measured (float32,
+# interleaved): the stacked copies win by 1.5x at stories260K (1 MB), where a step costs per call,
+# and by 5-10% at 8M (29 MB) and 15M (61 MB); at 110M (438 MB) the two are within 5% at batch 1
+# and tie at batch 8, and a copy would double the memory of a model that costs per byte read.
+STACKED_MAX_BYTES = 64 << 20
+
+
+def choose_layout(params: dict) -> str:
+    """"stacked" (copies, for small float models) or "in_place" (large, mapped or half-held ones)."""
+    if has_half(params):
+        return "in_place"
+    return "stacked" if sum(a.nbytes for a in params.values()) <= STACKED_MAX_BYTES else "in_place"
 
 
 class DecodeCache(KVCache):
@@ -74,42 +88,29 @@ class DecodeCache(KVCache):
 
 
 class DecodeStep:
-    """One decode step for a batch of batch_size rows; its weights are copies made when it is built
-    (stacked, norms folded in), so make a new one after changing the parameters."""
+    """One decode step for a batch of batch_size rows.
 
-    def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int):
+    layout: "stacked" (copies of the weights, stacked and norm-folded: make a new step after
+    changing the parameters), "in_place" (the parameters themselves, never copied), or None to
+    choose by size (choose_layout). Half-held parameters (float16 / bfloat16) are always read in
+    place, a block of rows at a time in float32.
+    """
+
+    def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None):
         self.config = config
-        H, Dh = config.n_heads, config.head_dim
-        # OpenBLAS picks its kernel by shape. Measured per step (one thread): with 2 rows, x @ W
-        # with W stored (in, out) beats (W @ x.T).T with W stored (out, in), as Meta has it, by
-        # 1.4x on an 8M model; with 4+ rows the latter wins by up to 1.4x; with one row they tie
-        # for dim 288, and x @ W saves ~0.5 us a matmul for dim 64, where calls dominate. Storing
-        # (in, out) costs a transposing copy of every matrix at setup, so it is done only where it pays.
-        self.rows_first = batch_size == 2 or (batch_size == 1 and config.dim <= 128)
-        self.layers = [tuple(self._oriented(m) for m in (w.wqkv, w.wo, w.w13, w.w2))
-                       for w in (fold_norms(w, Dh, H) for w in stack_layers(params, config))]
-        self.embedding = params["tok_embeddings.weight"]
-        norm = params["norm.weight"]
-        self.output = self._oriented(params[output_weight_name(config)]
-                                     * (norm * np.sqrt(config.dim, dtype=np.float64)).astype(norm.dtype))
-        self.d_eps = config.dim * config.norm_eps
         cos, sin = rope
+        layout = choose_layout(params) if layout is None else layout
+        if layout == "stacked":
+            self.projections = StackedProjections(params, config, batch_size)
+        elif layout == "in_place":
+            self.projections = InPlaceProjections(params, config, cos.dtype)
+        else:
+            raise ValueError(f"layout={layout!r}; use 'stacked', 'in_place' or None (chosen by size)")
+        self.layout = layout
         self.complex_dtype = np.result_type(cos.dtype, np.complex64)
         self.rotations = (cos + 1j * sin).astype(self.complex_dtype)      # (max_seq_len, Dh/2): e^(i p theta_j)
-
-    def _oriented(self, w):
-        return np.ascontiguousarray(w.T) if self.rows_first else w
-
-    def _linear(self, x, w):
-        """x (B, in) -> (B, out) through a matrix stored as _oriented made it."""
-        return x @ w if self.rows_first else (w @ x.T).T
-
-    def _normalized(self, x):
-        """x / sqrt(sum(x**2) + D eps) over the last axis: RMSNorm whose sqrt(D) and weight are folded
-        into the next matrix (stacked.fold_norms). (B, D) -> (B, D)."""
-        ss = row_dot(x, x)
-        ss += self.d_eps
-        return x / np.sqrt(ss, out=ss)
+        threaded = layout == "in_place" and batch_size >= MIN_THREADED_ROWS
+        self.blas_threads = None if threaded else DECODE_BLAS_THREADS     # None: as the process has it
 
     def __call__(self, ids: np.ndarray, pos: int, kv_cache: DecodeCache,
                  key_bias: np.ndarray | None = None) -> np.ndarray:
@@ -119,38 +120,40 @@ class DecodeStep:
         key_bias, when given, broadcasts to (B, KVH, R, pos + 1): 0 where a key may be attended,
         -inf where not.
         """
-        with blas_threads(DECODE_BLAS_THREADS):
+        with blas_threads(self.blas_threads):
             return self._step(ids, pos, kv_cache, key_bias)
 
     def _step(self, ids, pos, kv_cache, key_bias):
-        x = self.embedding.take(ids, axis=0)                                # (B,) -> (B, D)
+        proj = self.projections
+        x = proj.embed(ids)                                                 # (B,) -> (B, D)
         rotation = self.rotations[pos]                                      # (Dh/2,) complex
         with np.errstate(over="ignore"):                                    # silu: exp(-a) -> inf gives 0, right
-            x = self._layers(x, rotation, pos, kv_cache, key_bias)
-        return np.ascontiguousarray(self._linear(self._normalized(x), self.output))   # (B, D) -> (B, V)
+            for layer, k_cache, v_cache in zip(proj.layers, kv_cache.k, kv_cache.v):
+                qkv = proj.qkv(layer, x)                                    # (B, D) -> (B, (H + 2 KVH) Dh)
+                x = x + proj.o(layer, self._attend(qkv, rotation, pos, k_cache, v_cache, key_bias))
+                ab = proj.gate_up(layer, x)                                 # (B, D) -> (B, 2F)
+                F = ab.shape[1] // 2
+                a, b = ab[:, :F], ab[:, F:]
+                x = x + proj.down(layer, a * b / (1.0 + np.exp(-a)))        # silu(a) * b: (B, F) -> (B, D)
+        return proj.logits(x)                                               # (B, D) -> (B, V)
 
-    def _layers(self, x, rotation, pos, kv_cache, key_bias):
+    def _attend(self, qkv, rotation, pos, k_cache, v_cache, key_bias):
+        """Attention of this position's q over keys and values 0 .. pos, after writing its k and v.
+
+        qkv (B, (H + 2 KVH) Dh) with q already scaled by 1/sqrt(Dh) -> (B, H Dh)."""
         cfg = self.config
         H, KVH, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        R, S = H // KVH, pos + 1
-        B = x.shape[0]
-        for (wqkv, wo, w13, w2), k_cache, v_cache in zip(self.layers, kv_cache.k, kv_cache.v):
-            qkv = np.ascontiguousarray(self._linear(self._normalized(x), wqkv))   # (B, D) -> (B, (H + 2 KVH) Dh)
-            # RoPE on q and k at once, as complex pairs: (B, (H + KVH) Dh) -> (B, H + KVH, Dh/2)
-            qk = qkv[:, :(H + KVH) * Dh].view(self.complex_dtype).reshape(B, H + KVH, Dh // 2) * rotation
-            qk = qk.view(x.dtype)                                           # (B, H + KVH, Dh), rotated
-            k_cache[:, :, :, pos] = qk[:, H:]                               # (B, KVH, Dh)
-            v_cache[:, :, pos, :Dh] = qkv[:, (H + KVH) * Dh:].reshape(B, KVH, Dh)
-            scores = qk[:, :H].reshape(B, KVH, R, Dh) @ k_cache[..., :S]   # (B, KVH, R, S); 1/sqrt(Dh) is in wq
-            if key_bias is not None:
-                scores += key_bias
-            scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
-            e = np.exp(scores, out=scores)
-            ev = e @ v_cache[:, :, :S]                                      # (B, KVH, R, Dh + 1): [sum e v | sum e]
-            att = ev[..., :Dh] / ev[..., Dh:]                               # (B, KVH, R, Dh)
-            x = x + self._linear(att.reshape(B, H * Dh), wo)               # (B, H*Dh) -> (B, D)
-            ab = self._linear(self._normalized(x), w13)                     # (B, D) -> (B, 2F)
-            F = ab.shape[1] // 2
-            a, b = ab[:, :F], ab[:, F:]
-            x = x + self._linear(a * b / (1.0 + np.exp(-a)), w2)            # silu(a) * b: (B, F) -> (B, D)
-        return x
+        R, S, B = H // KVH, pos + 1, qkv.shape[0]
+        # RoPE on q and k at once, as complex pairs: (B, (H + KVH) Dh) -> (B, H + KVH, Dh/2)
+        qk = qkv[:, :(H + KVH) * Dh].view(self.complex_dtype).reshape(B, H + KVH, Dh // 2) * rotation
+        qk = qk.view(qkv.dtype)                                             # (B, H + KVH, Dh), rotated
+        k_cache[:, :, :, pos] = qk[:, H:]                                   # (B, KVH, Dh)
+        v_cache[:, :, pos, :Dh] = qkv[:, (H + KVH) * Dh:].reshape(B, KVH, Dh)
+        scores = qk[:, :H].reshape(B, KVH, R, Dh) @ k_cache[..., :S]       # (B, KVH, R, S)
+        if key_bias is not None:
+            scores += key_bias
+        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+        e = np.exp(scores, out=scores)
+        ev = e @ v_cache[:, :, :S]                                          # (B, KVH, R, Dh + 1): [sum e v | sum e]
+        att = ev[..., :Dh] / ev[..., Dh:]                                   # (B, KVH, R, Dh)
+        return att.reshape(B, H * Dh)

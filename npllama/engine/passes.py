@@ -20,8 +20,10 @@ from ..kvcache import KVCache
 from ..ops import IGNORE_INDEX
 from .block import block_backward, block_forward
 from .layout import FlatLayout
+from .inference import forward as forward_without_grad
 from .shards import resolve_workers, run_sharded
 from .stacked import stack_layers
+from .upcast import has_half
 
 
 def stacked_blocks(params: dict, config: LlamaConfig) -> model.Blocks:
@@ -38,9 +40,15 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache: KVCach
     """Logits (B, T, V) of checked tokens (B, T); arguments as npllama.model.forward.
 
     workers: threads sharing the batch rows (engine.shards.resolve_workers); used without a
-    cache or mask only, since a KV cache is written by position for the whole batch.
+    cache or mask only, since a KV cache is written by position for the whole batch. Without
+    `blocks`, with a cache or mask, or weights held in float16 / bfloat16, the pass is
+    engine.inference.forward.
     blocks: the blocks to run, by default stacked_blocks(params, config) (LoRA: engine/lora.py).
     """
+    if blocks is None and (kv_cache is not None or mask is not None or has_half(params)):
+        # nothing to differentiate here: one layer's weights and activations at a time (engine.inference)
+        return forward_without_grad(params, config, rope, tokens, kv_cache=kv_cache, start_pos=start_pos,
+                                    mask=mask)
     blocks = stacked_blocks(params, config) if blocks is None else blocks
     if kv_cache is not None or mask is not None:
         return model.forward(params, config, tokens, rope=rope, kv_cache=kv_cache, start_pos=start_pos,

@@ -38,7 +38,7 @@ from ..model import output_weight_name
 from ..ops import IGNORE_INDEX
 from .attention import BLOCK, BlockAttentionCache, attention_backward, attention_forward
 from .blas import blas_threads
-from .decode import row_dot
+from .projections import row_dot
 from .layout import FlatLayout
 from .memory import keep_freed_memory
 from .shards import n_shards, resolve_workers, run_sharded

@@ -6,6 +6,7 @@
     hf.py           Meta <-> Hugging Face names, the q/k RoPE permutation, config.json
     metadata.py     the keys npllama writes into safetensors metadata (the one owner)
     lora.py         LoRA checkpoints: the adapters, the base they name and its fingerprint
+    footprint.py    the memory a load will take, from the tensors' shapes and dtypes
     pickles.py      pickle refusal: never unpickled
     atomic.py       atomic writes: a temp file, fsync, one rename
     integrity.py    CRC-32s of the header and every tensor: recorded on writing, verified on reading

@@ -41,15 +41,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..checks import check_dtype
 from .. import memory
 from ..config import LlamaConfig
 from ..errors import NpllamaError
 from ..llama import Llama, LoraLlama
+from ..storage import all_finite, compute_dtype_of, is_half, storage_dtype_name, to_float, to_storage
 from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer, tokenizer_from_folder
 from .atomic import write_bytes_atomic
 from .errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError, PICKLE_HINT
+from .footprint import LoadFootprint, load_footprint
 from .hf import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_meta_name, is_hf_name, llama_to_hf_config,
                  meta_to_hf, meta_to_hf_name, permute_hf_to_meta)
 from .llama2c import read_llama2c
@@ -57,7 +58,7 @@ from .lora import read_adapted
 from .metadata import (CONFIG_KEY, LORA_KEY, OPTIMIZER_PREFIX, TOKENIZER_KEY, config_from_metadata,
                        is_training_checkpoint, model_metadata, tokenizer_from_metadata)
 from .pickles import looks_pickled_name, refuse_pickle_magic, refuse_pickle_name
-from .safetensors import f32_to_bf16, read_safetensors, write_safetensors_atomic
+from .safetensors import Bfloat16, map_safetensors, release_pages, write_safetensors_atomic
 
 
 # ----------------------------------------------------------------------------- config vs tensors
@@ -105,17 +106,30 @@ def _check_rope_buffer(name: str, arr: np.ndarray, cfg: LlamaConfig) -> None:
             f"{name!r} of shape {arr.shape}; fix rope_theta in the config")
 
 
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16")   # safetensors dtypes that hold weights
+
+
 class Loaded(NamedTuple):
-    """What read_checkpoint found: a config, Meta-named arrays, a tokenizer or None, and notes."""
+    """What read_checkpoint found: a config, Meta-named arrays, a tokenizer or None, notes, and the
+    memory the arrays take (worked out before they were read: io/footprint.py)."""
     config: LlamaConfig
     params: dict
     tokenizer: object
     notes: list
+    footprint: LoadFootprint | None = None
 
 
-def _match_tensors(tensors: dict, metadata: dict, cfg: LlamaConfig, dtype, *, strict: bool,
-                   source: str, hf_config: bool) -> tuple[dict, list]:
-    """Rename to Meta, check config and shapes, un-permute HF q/k, cast. Returns (params, notes)."""
+def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig, storage: str, *, strict: bool,
+                   source: str, hf_config: bool, mapped: bool) -> tuple[dict, list, LoadFootprint]:
+    """Rename to Meta, check config and shapes, un-permute HF q/k, hold as `storage`.
+
+    Returns (params, notes, footprint).
+
+    tensors: {file name: array}, memory-mapped (map_safetensors, read_llama2c); codes: their
+    safetensors dtype codes. A tensor already held as `storage` stays a view of the file when
+    `mapped`; every other one is converted (or copied) on its own and its file pages released,
+    so the load never holds two full copies of the weights.
+    """
     notes = []
     if is_training_checkpoint(metadata):
         opt = [n for n in tensors if n.startswith(OPTIMIZER_PREFIX)]
@@ -132,7 +146,7 @@ def _match_tensors(tensors: dict, metadata: dict, cfg: LlamaConfig, dtype, *, st
     renamed, file_name, unexpected = {}, {}, []
     for name, t in tensors.items():
         if name.endswith("rotary_emb.inv_freq") or name == "rope.freqs":
-            _check_rope_buffer(name, t, cfg)
+            _check_rope_buffer(name, to_float(t, np.float64) if codes[name] == "BF16" else t, cfg)
             notes.append(f"skipped derived RoPE buffer {name}")
             continue
         meta = hf_to_meta_name(name) if naming == "hf" else (name if meta_to_hf_name(name) else None)
@@ -178,27 +192,31 @@ def _match_tensors(tensors: dict, metadata: dict, cfg: LlamaConfig, dtype, *, st
     if unexpected:
         warnings.warn(f"{source}: ignoring {len(unexpected)} unexpected tensors: {unexpected}", stacklevel=3)
         notes.append(f"ignored unexpected tensors {unexpected}")
-    memory.require(sum(memory.array_bytes(renamed[n].size, dtype.itemsize) for n in expected
-                       if renamed[n].dtype != dtype), f"casting {source} to {dtype.name}", "load it as float32")
+    permuted = {n for n in expected if naming == "hf" and n.endswith((".attention.wq.weight", ".attention.wk.weight"))}
+    # what the weights will take, from their shapes alone: compared with the memory available
+    # before anything below allocates (npllama.memory)
+    footprint = load_footprint({n: renamed[n] for n in expected}, storage, mapped=mapped, copied=permuted)
+    memory.require(footprint.total, f"loading {source} as {storage} ({footprint.describe()})",
+                   "load it on a machine with more memory" + ("" if is_half(storage) else
+                                                              ", or hold it in float16 or bfloat16"))
+    notes.append(f"holds {footprint.describe()}")
     params = {}
     for n in expected:
-        t = _checked_weight(renamed[n], dtype, display(n), source)
-        if naming == "hf" and n.endswith((".attention.wq.weight", ".attention.wk.weight")):
-            t = permute_hf_to_meta(t, cfg.n_heads if n.endswith("wq.weight") else cfg.n_kv_heads)
-        params[n] = np.ascontiguousarray(t)
-    return params, notes
-
-
-def _checked_weight(t: np.ndarray, dtype: np.dtype, name: str, source: str) -> np.ndarray:
-    """t cast to dtype; CheckpointError if it is not floating point or holds NaN or infinity
-    (every format: a corrupt file must not load and give NaN logits)."""
-    if t.dtype.kind != "f":
-        raise CheckpointError(f"{source}: tensor {name} has dtype {t.dtype}; weights must be floating point")
-    t = t.astype(dtype, copy=False)
-    if not np.isfinite(t).all():
-        raise CheckpointError(f"{source}: tensor {name} holds NaN or infinite values; the file is corrupt "
-                              "or the weights overflowed the requested dtype")
-    return t
+        t = renamed[n]
+        if codes[file_name[n]] not in _FLOAT_CODES:
+            raise CheckpointError(f"{source}: tensor {display(n)} has dtype {t.dtype}; weights must be floating point")
+        held = to_storage(t, storage)
+        if not all_finite(held):
+            raise CheckpointError(f"{source}: tensor {display(n)} holds NaN or infinite values; the file is corrupt "
+                                  "or the weights overflowed the requested dtype")
+        if n in permuted:
+            held = permute_hf_to_meta(held, cfg.n_heads if n.endswith("wq.weight") else cfg.n_kv_heads)
+        if held is t and not mapped:
+            held = t.copy()
+        if held is not t:
+            release_pages(t)
+        params[n] = np.ascontiguousarray(held)
+    return params, notes, footprint
 
 
 def _config_from_json_file(path: Path) -> tuple[LlamaConfig, bool]:
@@ -217,12 +235,13 @@ def _config_from_json_file(path: Path) -> tuple[LlamaConfig, bool]:
         raise ConfigMismatchError(f"{path}: {e}") from None
 
 
-def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, str]:
-    """(tensors, metadata, description) of model.safetensors or the shards of its index."""
+def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, dict, str]:
+    """(tensors, metadata, dtype codes, description) of model.safetensors or the shards of its index,
+    memory-mapped (map_safetensors)."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():  # transformers tries the single file first too
-        tensors, metadata = read_safetensors(single, verify)
-        return tensors, metadata, str(single)
+        tensors, metadata, codes = map_safetensors(single, verify)
+        return tensors, metadata, codes, str(single)
     if index.is_file():
         try:
             idx = json.loads(index.read_text(encoding="utf-8"))
@@ -231,14 +250,14 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, str]:
         wmap = idx.get("weight_map") if isinstance(idx, dict) else None
         if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
             raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> shard file")
-        tensors, metadata = {}, {}
+        tensors, metadata, codes = {}, {}, {}
         for shard in sorted(set(wmap.values())):
             if Path(shard).name != shard:
                 raise CheckpointError(f"{index}: shard {shard!r} is not a file name inside the folder")
             shard_path = folder / shard
             if not shard_path.is_file():
                 raise FileNotFoundError(f"{index} lists shard {shard!r}, which is not in {folder}")
-            part, meta = read_safetensors(shard_path, verify)
+            part, meta, part_codes = map_safetensors(shard_path, verify)
             metadata.update(meta)
             listed = {n for n, s in wmap.items() if s == shard}
             absent, unlisted = sorted(listed - set(part)), sorted(set(part) - listed)
@@ -246,7 +265,8 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, str]:
                 raise CheckpointError(f"{shard_path}: disagrees with {index.name}: "
                                       f"listed but absent {absent}, present but not listed {unlisted}")
             tensors.update(part)
-        return tensors, metadata, f"{folder} ({len(set(wmap.values()))} shards)"
+            codes.update(part_codes)
+        return tensors, metadata, codes, f"{folder} ({len(set(wmap.values()))} shards)"
     pickles = sorted(p.name for p in folder.iterdir() if looks_pickled_name(p))
     if pickles:
         raise PickleRefusedError(f"{folder}: holds only PyTorch pickle weights {pickles}; refusing them. {PICKLE_HINT}")
@@ -255,19 +275,19 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, str]:
 
 
 def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None,
-                    verify: bool = True) -> Loaded:
+                    verify: bool = True, mmap: bool = True) -> Loaded:
     """Read any supported checkpoint into (config, Meta-named params, tokenizer, notes); see load()."""
-    loaded = _read(Path(path), check_dtype(dtype), strict, verify)
+    loaded = _read(Path(path), storage_dtype_name(dtype), strict, verify, mmap)
     if max_seq_len is not None:     # the one place a file's context length is overridden
         loaded = loaded._replace(config=loaded.config.replace(max_seq_len=max_seq_len))
     return loaded
 
 
-def _read(path: Path, dtype: np.dtype, strict: bool, verify: bool) -> Loaded:
+def _read(path: Path, storage: str, strict: bool, verify: bool, mapped: bool) -> Loaded:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or folder")
     if path.is_dir():
-        tensors, metadata, source = _read_hf_folder(path, verify)
+        tensors, metadata, codes, source = _read_hf_folder(path, verify)
         cfg_file = path / "config.json"
         if cfg_file.is_file():
             cfg, hf = _config_from_json_file(cfg_file)
@@ -288,18 +308,22 @@ def _read(path: Path, dtype: np.dtype, strict: bool, verify: bool) -> Loaded:
         refuse_pickle_name(path)
         suffix = path.suffix.lower()
         if suffix == ".bin":
-            cfg, params = read_llama2c(path, dtype.itemsize)
-            params = {n: np.ascontiguousarray(_checked_weight(t, dtype, n, str(path))) for n, t in params.items()}
-            return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"])
+            cfg, tensors = read_llama2c(path)
+            params, notes, footprint = _match_tensors(tensors, dict.fromkeys(tensors, "F32"), {}, cfg, storage,
+                                                      strict=True, source=str(path), hf_config=False, mapped=mapped)
+            return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"] + notes, footprint)
         if suffix != ".safetensors":
             with open(path, "rb") as f:
                 refuse_pickle_magic(path, f.read(4))
             raise CheckpointError(f"{path}: unknown checkpoint type {suffix!r}; npllama reads .safetensors files, "
                                   "Hugging Face folders and llama2.c .bin files")
-        tensors, metadata = read_safetensors(path, verify)
+        tensors, metadata, codes = map_safetensors(path, verify)
         source = str(path)
         if LORA_KEY in metadata:    # LoRA adapters: the base they name, with them merged in (io/lora.py)
-            adapted = read_adapted(path, tensors, metadata, lambda base, _: load(base, dtype, strict=strict))
+            # the base in the dtype the adapters are merged in; held as `storage` by load() afterwards
+            base_dtype = compute_dtype_of(storage)
+            adapted = read_adapted(path, tensors, metadata,
+                                   lambda base, _: load(base, base_dtype, strict=strict, verify=verify, mmap=mapped))
             return Loaded(adapted.config, adapted.merged().params, adapted.tokenizer,
                           [f"LoRA adapters of {path} (rank {adapted.spec.rank}) merged into {adapted.base_path}"])
         beside = path.parent / "config.json"
@@ -312,14 +336,25 @@ def _read(path: Path, dtype: np.dtype, strict: bool, verify: bool) -> Loaded:
                 f"{path}: no config found: the metadata has no 'npllama_config' and there is no config.json "
                 "beside the file. Hint: put the model's config.json next to it")
         tokenizer = tokenizer_from_metadata(metadata, source)
-    params, notes = _match_tensors(tensors, metadata, cfg, dtype, strict=strict, source=source, hf_config=hf)
-    return Loaded(cfg, params, tokenizer, notes)
+    params, notes, footprint = _match_tensors(tensors, codes, metadata, cfg, storage, strict=strict, source=source,
+                                              hf_config=hf, mapped=mapped)
+    return Loaded(cfg, params, tokenizer, notes, footprint)
 
 
-def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None, verify: bool = True):
+def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None, verify: bool = True,
+         mmap: bool = True):
     """Load a checkpoint into an npllama.Llama (formats: see this module's docstring).
 
-    dtype: np.float32 (default) or np.float64; every tensor is cast to it.
+    dtype: what the weights are held in: np.float32 (default) or np.float64, which the model
+        also computes in; or np.float16 / "bfloat16", half the memory, for inference (forward and
+        generate compute in float32, one layer at a time; loss_and_grads refuses). Each tensor
+        is converted on its own, so a load never holds two full copies of the weights.
+    mmap: True (default) maps the file instead of copying it wherever a tensor is stored in the
+        dtype asked for (float32 safetensors and llama2.c .bin for float32; float16 / bfloat16
+        files for those): loading takes no time, the pages are shared with the OS page cache, and
+        writing to a parameter (training) changes the process's copy only, never the file. The
+        file must then not be truncated or rewritten in place while the model is in use (npllama
+        replaces files whole, which is safe). False copies every tensor into memory.
     strict: False turns unexpected extra tensors into a warning instead of an error.
     max_seq_len: override the config's (e.g. Llama 2's 4096 makes large RoPE tables).
     verify: check the CRC-32s npllama records in the files it writes (io/integrity.py); a damaged
@@ -327,7 +362,7 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
     model.tokenizer is set from the metadata key "npllama_tokenizer", or a folder's tokenizer.model
     or tokenizer.json, else None.
     """
-    loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len, verify=verify)
+    loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len, verify=verify, mmap=mmap)
     model = Llama.from_params(loaded.config, loaded.params, dtype=dtype)
     model.tokenizer = loaded.tokenizer
     return model
@@ -352,12 +387,11 @@ def _save_dtype_name(dtype) -> str:
 
 
 def _cast_for_save(arr: np.ndarray, name: str):
-    if name == "bfloat16":
-        return f32_to_bf16(arr)
-    out = np.asarray(arr, dtype=name)
-    if not np.isfinite(out).all():
+    """A held parameter (any storage dtype) as the array to write: Bfloat16 bits for "bfloat16"."""
+    out = to_storage(arr, name)
+    if not all_finite(out):
         raise NpllamaError(f"casting to {name} overflows some weights; save in float32 instead")
-    return out
+    return Bfloat16(out) if name == "bfloat16" else out
 
 
 def save(model, path, format: str = "hf", dtype="float32") -> Path:
@@ -372,7 +406,8 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
     format="meta": path is one .safetensors file with Meta names and metadata
                    {"format": "pt", "npllama_config": config JSON, "npllama_tokenizer": tokenizer
                    JSON when model.tokenizer is set}.
-    dtype: "float32" (default, whatever the model's dtype), "float64", "float16" or "bfloat16".
+    dtype: "float32" (default, whatever the model's dtype or storage dtype), "float64", "float16" or
+                   "bfloat16".
     A LoraLlama is saved merged: each adapted weight as W + s B A.
     Every file is written atomically: an existing file is replaced whole or left untouched.
     """

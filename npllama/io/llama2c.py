@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import memory
 from ..config import LlamaConfig
 from ..errors import NpllamaError
 from .errors import CheckpointError
 from .pickles import refuse_pickle_magic
+from .safetensors import map_copy_on_write
 
 LLAMA2C_MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32
 LLAMA2C_V1_HEADER_BYTES = 256
@@ -72,9 +72,9 @@ def llama2c_float_count(cfg: LlamaConfig, version: int) -> int:
     return cfg.n_params() + rope
 
 
-def read_llama2c(path: Path, itemsize: int = 4) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
-    """(config, Meta-named float32 arrays) of a llama2.c .bin; itemsize: bytes per element of the
-    dtype the caller will cast them to (for the memory check made before reading)."""
+def read_llama2c(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+    """(config, {Meta name: float32 array}) of a llama2.c checkpoint; the arrays are views of the file,
+    memory-mapped copy-on-write (nothing is read until used; writes never reach the file)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(LLAMA2C_V1_HEADER_BYTES)
@@ -115,12 +115,12 @@ def read_llama2c(path: Path, itemsize: int = 4) -> tuple[LlamaConfig, dict[str, 
             f"{path}: a llama2.c v{version} checkpoint with header {fields} (shared classifier: {shared}) "
             f"is {expected} bytes, but the file has {size}: {what}. Hint: the file is damaged, or it is "
             "not a float32 llama2.c checkpoint")
-    n_floats = llama2c_float_count(cfg, version)
-    cast = memory.array_bytes(cfg.n_params(), itemsize) if itemsize != 4 else 0
-    memory.require(memory.array_bytes(n_floats, 4) + cast, f"loading {path} ({cfg.n_params():,} parameters)",
-                   "load it on a machine with more memory")
+    with open(path, "rb") as f:   # mapped copy-on-write, as io/safetensors.py map_safetensors explains
+        mapped = map_copy_on_write(f, path)
     layout = llama2c_layout(cfg, version)
-    data = np.fromfile(path, dtype="<f4", offset=offset)
+    data = np.frombuffer(mapped, dtype="<f4", offset=offset)
+    if not data.dtype.isnative:
+        data = data.astype("=f4")
     params, pos = {}, 0
     for name, shape in layout:
         n = math.prod(shape)

@@ -14,8 +14,10 @@ the header and of every tensor in the metadata, which reading verifies (io/integ
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -25,7 +27,8 @@ import numpy as np
 
 from .. import memory
 from ..checks import is_integer
-from ..errors import NpllamaError
+from ..errors import MemoryLimitError, NpllamaError
+from ..storage import bfloat16_to_float32, float32_to_bfloat16
 from .atomic import write_atomic
 from .errors import CheckpointError
 from .integrity import Verifier, checksum_metadata
@@ -53,15 +56,12 @@ class Bfloat16(NamedTuple):
 
 def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 is the top half of a float32: shift the 16 bits up, exact."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bfloat16_to_float32(bits)
 
 
 def f32_to_bf16(x: np.ndarray) -> Bfloat16:
     """Round float32 to bfloat16, to nearest with ties to even (as torch does); NaN stays NaN."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    rounded[np.isnan(x)] = 0x7FC0
-    return Bfloat16(rounded)
+    return Bfloat16(float32_to_bfloat16(x))
 
 
 def _header_entries(path: Path, header: dict, data_len: int) -> list[tuple[str, str, tuple, int, int]]:
@@ -194,6 +194,77 @@ def read_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], 
             arr = _bf16_to_f32(arr) if st == "BF16" else arr.astype(dt.newbyteorder("="), copy=False)
             tensors[name] = arr
     return tensors, _without_checksum(metadata)
+
+
+def map_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, str]]:
+    """Map a .safetensors file into memory: ({name: array}, metadata, {name: dtype code, e.g. "F32"}).
+
+    Each array is a view of the file's pages, mapped copy-on-write (mmap.ACCESS_COPY): the pages
+    are shared with the OS page cache instead of copied, and writing to an array (an optimizer
+    step) changes this process's copy of the page only, never the file. BF16 tensors come back
+    as their raw bits (uint16; npllama.storage). The header is checked as in read_safetensors.
+    verify: check the header and every tensor against the checksums npllama recorded (which
+    reads each page once, into the shared page cache); unverified, nothing is read until used.
+    The metadata returned leaves out the checksum record. The file must not be truncated or
+    rewritten in place while its arrays are in use (npllama's own writes replace files whole,
+    which is safe: the old pages stay mapped); release_pages hands back the pages of a tensor
+    that was copied out.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such safetensors file")
+    with open(path, "rb") as f:
+        entries, metadata, data_start = _read_header(f, path)
+        verifier = _verifier(path, entries, metadata, verify)
+        mapped = map_copy_on_write(f, path)
+    tensors, codes = {}, {}
+    for name, st, shape, begin, _ in entries:
+        dt = _ST_DTYPES[st]
+        count = math.prod(shape)
+        arr = (np.frombuffer(mapped, dtype=dt, count=count, offset=data_start + begin) if count
+               else np.empty(0, dt)).reshape(shape)
+        if verifier is not None:
+            verifier.check(name, arr)
+        if not arr.flags.aligned or not dt.isnative:    # unaligned data (no padded header) or a big-endian host
+            arr = arr.astype(dt.newbyteorder("="))
+        tensors[name], codes[name] = arr, st
+    return tensors, _without_checksum(metadata), codes
+
+
+def map_copy_on_write(f, path: Path) -> mmap.mmap:
+    """The whole open file f mapped copy-on-write. A private writable mapping is charged to the
+    process's memory commitment as if it were allocated, so a file larger than the memory left
+    is refused (MemoryLimitError) rather than failing with a bare OSError."""
+    size = os.fstat(f.fileno()).st_size
+    memory.require(size, f"mapping {path}", "load it on a machine with more memory")
+    try:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        if e.errno == errno.ENOMEM:
+            raise MemoryLimitError(f"mapping {path} needs {memory.gib(size)} GiB, more than this process "
+                                   "may commit; load it on a machine with more memory") from None
+        raise
+
+
+def release_pages(arr: np.ndarray) -> None:
+    """Drop the whole pages under a memory-mapped array from this process (after its data was copied
+    or converted), so that a load holds one copy of the weights, not the file's pages too.
+
+    Only pages wholly inside the array are dropped, so neighbouring tensors keep theirs; unwritten
+    copy-on-write pages read back from the file if touched again. Does nothing for other arrays.
+    """
+    base = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):                  # np.frombuffer's view of the mmap
+        base = base.obj
+    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or arr.nbytes == 0:
+        return
+    start = arr.__array_interface__["data"][0] - np.frombuffer(base, np.uint8, count=1).__array_interface__["data"][0]
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + arr.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first:
+        base.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def write_safetensors_atomic(path, tensors: dict, metadata: dict | None = None) -> None:

@@ -3,9 +3,13 @@
 In float64 on hypothesis-drawn configs (MHA, GQA, MQA, tied or not, odd lengths, -100 targets):
 forward logits, the loss and every gradient (the training pass with attention blocks of any
 size, T not a multiple of it, probabilities kept or recomputed; and the reference's
-model-level pass with the engine's stacked blocks), the masked and the KV-cached forward, and
-each fused decode step, all within 1e-10 relative of the reference.
+model-level pass with the engine's stacked blocks), the
+masked and the KV-cached forward (the engine's inference pass, also with the last position's
+logits only), and each fused decode step in both weight layouts (stacked copies, weights read
+in place) and from weights held in float16 / bfloat16, all within 1e-10 relative of the reference.
 """
+
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,9 +17,10 @@ from hypothesis import given, settings, strategies as st
 
 import npllama
 from npllama import model as reference
-from npllama.engine import DecodeStep, blas, passes, training
+from npllama.engine import DecodeStep, blas, decode, inference, passes, projections, training
 from npllama.engine import shards
 from npllama.gradcheck import rel_error
+from npllama.storage import to_float, to_storage
 
 TOL = 1e-10
 
@@ -113,15 +118,18 @@ def test_many_shards_on_two_threads_equal_the_reference(monkeypatch):
     assert all(rel_error(grads[n], expected_grads[n]) < TOL for n in grads)
 
 
+LAYOUTS = st.sampled_from(["stacked", "in_place"])
+
+
 @settings(max_examples=20)
-@given(configs(), st.integers(1, 3), st.integers(1, 6), st.integers(0, 10_000))
-def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, seed):
+@given(configs(), st.integers(1, 3), st.integers(1, 6), LAYOUTS, st.integers(0, 10_000))
+def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, seed):
     model = random_model(cfg, seed)
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
     kv = model.new_kv_cache(B)
     prefill = model.forward(seq[:, :P], kv_cache=kv)
     assert rel_error(prefill, reference.forward(model.params, cfg, seq[:, :P])[0]) < TOL
-    step = DecodeStep(model.params, cfg, model.rope, B)
+    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout)
     for pos in range(P, cfg.max_seq_len):
         logits = step(seq[:, pos], pos, kv)
         expected = reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]
@@ -129,8 +137,8 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
 
 
 @settings(max_examples=15)
-@given(configs(), st.integers(0, 10_000))
-def test_masked_forward_and_decode_with_key_bias_equal_the_reference(cfg, seed):
+@given(configs(), LAYOUTS, st.integers(0, 10_000))
+def test_masked_forward_and_decode_with_key_bias_equal_the_reference(cfg, layout, seed):
     """Left padding: a mask in the prefill, a -inf key bias in the decode steps."""
     model = random_model(cfg, seed)
     rng = np.random.default_rng(seed)
@@ -143,7 +151,7 @@ def test_masked_forward_and_decode_with_key_bias_equal_the_reference(cfg, seed):
     kv = model.new_kv_cache(B)
     got = model.forward(tokens[:, :P], kv_cache=kv, mask=mask)
     assert rel_error(got, reference.forward(model.params, cfg, tokens[:, :P], mask=mask)[0]) < TOL
-    step = DecodeStep(model.params, cfg, model.rope, B)
+    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout)
     for pos in range(P, P + 3):
         keys = np.arange(pos + 1)
         allowed = keys[None, :] >= pads[:, None]                                # (B, S)
@@ -154,8 +162,69 @@ def test_masked_forward_and_decode_with_key_bias_equal_the_reference(cfg, seed):
         assert rel_error(logits, expected) < TOL
 
 
+@settings(max_examples=15)
+@given(configs(), st.integers(1, 3), st.integers(1, 8), st.integers(0, 10_000))
+def test_prefill_of_the_last_position_only_equals_the_reference(cfg, B, T, seed):
+    model = random_model(cfg, seed)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T))
+    kv = model.new_kv_cache(B)
+    last = inference.forward(model.params, cfg, model.rope, tokens, kv_cache=kv, last_only=True)
+    assert last.shape == (B, cfg.vocab_size)
+    assert rel_error(last, reference.forward(model.params, cfg, tokens)[0][:, -1]) < TOL
+
+
+@settings(max_examples=15)
+@given(configs(), st.integers(1, 3), st.sampled_from(["float16", "bfloat16"]), st.integers(0, 10_000))
+def test_half_held_weights_decode_as_the_reference_on_the_same_values(cfg, B, storage, seed):
+    """Weights held in float16 / bfloat16 (as uint16 bits), computed here in float64 so the
+    comparison is exact to 1e-10: the prefill and every decode step read them a layer or a block of
+    rows at a time (here a few rows, so every matrix takes several blocks), and must give the
+    reference's logits for the very same (upcast) values."""
+    with mock.patch.object(projections, "HALF_BLOCK_ELEMENTS", 2 * cfg.dim + 1):
+        check_half_held_weights(cfg, B, storage, seed)
+
+
+def check_half_held_weights(cfg, B, storage, seed):
+    model = random_model(cfg, seed)
+    held = {n: to_storage(p, storage) for n, p in model.params.items()}
+    values = {n: to_float(h, np.float64) for n, h in held.items()}        # exactly the held numbers
+    seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
+    kv = model.new_kv_cache(B)
+    P = 3
+    prefill = inference.forward(held, cfg, model.rope, seq[:, :P], kv_cache=kv)
+    assert rel_error(prefill, reference.forward(values, cfg, seq[:, :P])[0]) < TOL
+    step = DecodeStep(held, cfg, model.rope, B)
+    assert step.layout == "in_place"
+    for pos in range(P, cfg.max_seq_len):
+        expected = reference.forward(values, cfg, seq[:, :pos + 1])[0][:, -1]
+        assert rel_error(step(seq[:, pos], pos, kv), expected) < TOL, pos
+
+
+def test_half_held_weights_in_float32_decode_as_their_float32_values():
+    """The production path (float32 compute, fast upcast a block of rows at a time) against the
+    same float32 values read in place: the same dot products, so the same logits to rounding."""
+    cfg = npllama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, multiple_of=32,
+                              max_seq_len=24)
+    model = npllama.Llama(cfg, seed=3)
+    for storage in ("float16", "bfloat16"):
+        half = npllama.Llama.from_params(cfg, model.params, dtype=storage)
+        values = npllama.Llama.from_params(cfg, {n: to_float(p) for n, p in half.params.items()})
+        for B in (1, 4):
+            seq = np.random.default_rng(B).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
+            kv_half, kv_values = half.new_kv_cache(B), values.new_kv_cache(B)
+            half.forward(seq[:, :4], kv_cache=kv_half)
+            values.forward(seq[:, :4], kv_cache=kv_values)
+            steps = DecodeStep(half.params, cfg, half.rope, B), DecodeStep(values.params, cfg, values.rope, B, "in_place")
+            for pos in range(4, cfg.max_seq_len):
+                got, want = steps[0](seq[:, pos], pos, kv_half), steps[1](seq[:, pos], pos, kv_values)
+                assert got.dtype == np.float32
+                assert rel_error(got, want) < 1e-6, (storage, B, pos)
+
+
 @pytest.mark.skipif(blas.get_blas_threads() is None, reason="NumPy's BLAS is not OpenBLAS: no thread count to restore")
-def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused():
+@pytest.mark.parametrize("stacked_max_bytes", [decode.STACKED_MAX_BYTES, 0])     # 0: weights read in place
+def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused(monkeypatch, stacked_max_bytes):
+    monkeypatch.setattr(decode, "STACKED_MAX_BYTES", stacked_max_bytes)
     cfg = npllama.LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=13, multiple_of=8, max_seq_len=64)
     model = npllama.Llama(cfg, seed=0)
     tokens = np.random.default_rng(0).integers(0, 13, (8, 64))

@@ -1,0 +1,181 @@
+"""Loading without copies, and weights held at half precision.
+
+Memory-mapped loads (the default) give the very parameters a copying load gives, bit for bit,
+in every format; writing to a mapped parameter (an optimizer step) never reaches the file;
+weights held in float16 / bfloat16 are the file's own bits or the correctly rounded values,
+compute in float32, save and load back, and refuse training with a clear message.
+"""
+
+import hashlib
+import mmap
+
+import numpy as np
+import pytest
+
+import npllama
+from npllama import cli
+from npllama.io import checkpoint as ck
+from npllama.io.errors import CheckpointError
+from npllama.io.safetensors import read_safetensors_header
+from npllama.storage import float32_to_bfloat16, to_float
+
+from .test_checkpoint import _write_llama2c, _write_sharded, gqa_config, random_model
+
+TOKENS = np.array([[1, 5, 3, 9, 0, 2, 7]])
+
+
+def is_mapped(arr) -> bool:
+    """True when arr is a view of a memory-mapped file."""
+    base = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(getattr(base, "obj", base), mmap.mmap)
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def checkpoints(tmp_path, model):
+    """The same float32 model in every format load reads: {name: path}."""
+    tied = random_model(gqa_config(tie_embeddings=True))
+    paths = {"meta": npllama.save(model, tmp_path / "m.safetensors", format="meta"),
+             "hf": npllama.save(model, tmp_path / "hf", format="hf"),
+             "llama2c v0": tmp_path / "v0.bin", "llama2c v1 tied": tmp_path / "v1.bin"}
+    _write_llama2c(paths["llama2c v0"], model, 0)
+    _write_llama2c(paths["llama2c v1 tied"], tied, 1)
+    _write_sharded(tmp_path / "sharded", model)
+    paths["hf shards"] = tmp_path / "sharded"
+    return paths
+
+
+def test_a_mapped_load_is_bit_identical_to_a_copying_load_in_every_format(tmp_path):
+    model = random_model(gqa_config())
+    for name, path in checkpoints(tmp_path, model).items():
+        mapped, copied = npllama.load(path), npllama.load(path, mmap=False)
+        assert list(mapped.params) == list(copied.params), name
+        for n, p in copied.params.items():
+            assert mapped.params[n].dtype == p.dtype == np.float32, (name, n)
+            assert np.array_equal(mapped.params[n].view(np.uint32), p.view(np.uint32)), (name, n)
+            assert not is_mapped(p), (name, n)
+        # Meta and llama2.c layouts are the file's own: every tensor stays mapped. Hugging Face q/k
+        # rows are permuted into Meta's RoPE order, which takes a copy of those two.
+        permuted = {n for n in copied.params if n.endswith(("wq.weight", "wk.weight"))} if "hf" in name else set()
+        assert {n for n, p in mapped.params.items() if not is_mapped(p)} == permuted, name
+
+
+def test_writing_to_a_mapped_parameter_never_changes_the_file(tmp_path):
+    model = random_model(gqa_config())
+    path = npllama.save(model, tmp_path / "m.safetensors", format="meta")
+    before = digest(path)
+    loaded = npllama.load(path)
+    w = loaded.params["layers.0.attention.wq.weight"]
+    assert is_mapped(w) and w.flags.writeable
+    w[...] = 7.0                                                  # in place, as AdamW writes
+    opt = npllama.AdamW(loaded.params, lr=0.1)
+    _, grads = loaded.loss_and_grads(TOKENS, TOKENS)
+    opt.step(grads)
+    assert (loaded.params["layers.0.attention.wq.weight"] != model.params["layers.0.attention.wq.weight"]).all()
+    assert digest(path) == before
+    again = npllama.load(path)
+    for n, p in model.params.items():
+        assert np.array_equal(again.params[n], p), n
+
+
+def test_the_mapped_file_can_be_replaced_by_save_while_in_use(tmp_path):
+    """save writes a new file and renames it over the old one: the mapped model keeps its pages."""
+    model = random_model(gqa_config())
+    path = npllama.save(model, tmp_path / "m.safetensors", format="meta")
+    loaded = npllama.load(path)
+    expected = loaded.forward(TOKENS)
+    npllama.save(random_model(gqa_config(), seed=9), path, format="meta")
+    np.testing.assert_array_equal(loaded.forward(TOKENS), expected)
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_float32_file_held_at_half_precision_is_rounded_per_tensor(tmp_path, storage):
+    model = random_model(gqa_config())
+    path = npllama.save(model, tmp_path / "m.safetensors", format="meta")
+    half = npllama.load(path, dtype=np.float16 if storage == "float16" else "bfloat16")
+    assert half.storage_dtype == storage and half.dtype == np.float32
+    for n, p in model.params.items():
+        want = p.astype(np.float16) if storage == "float16" else float32_to_bfloat16(p)
+        assert half.params[n].dtype == want.dtype and np.array_equal(half.params[n], want), n
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_a_half_precision_file_held_as_is_is_mapped(tmp_path, storage):
+    model = random_model(gqa_config())
+    folder = npllama.save(model, tmp_path / "hf", format="hf", dtype=storage)
+    assert {code for code, _ in read_safetensors_header(folder / "model.safetensors")[0].values()} == \
+        {"F16" if storage == "float16" else "BF16"}
+    half = npllama.load(folder, dtype=storage)
+    as_float = npllama.load(folder)                               # float32: the file's values upcast, exactly
+    for n, p in half.params.items():
+        assert is_mapped(p) or n.endswith(("wq.weight", "wk.weight")), n
+        assert np.array_equal(to_float(p), as_float.params[n]), n
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_a_half_held_model_computes_in_float32_saves_and_refuses_training(tmp_path, storage):
+    model = random_model(gqa_config())
+    half = npllama.Llama.from_params(model.config, model.params, dtype=storage)
+    values = npllama.Llama.from_params(model.config, {n: to_float(p) for n, p in half.params.items()})
+    assert half.dtype == np.float32 and half.storage_dtype == storage and f"storage_dtype={storage}" in repr(half)
+    logits = half.forward(TOKENS)
+    assert logits.dtype == np.float32
+    np.testing.assert_allclose(logits, values.forward(TOKENS), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(half.generate([1, 2, 3], 8), values.generate([1, 2, 3], 8))
+    with pytest.raises(ValueError, match=f"holds its weights in {storage}.*dtype=np.float32"):
+        half.loss_and_grads(TOKENS, TOKENS)
+    for dtype in ("float32", storage):
+        back = npllama.load(npllama.save(half, tmp_path / f"{dtype}.safetensors", format="meta", dtype=dtype),
+                            dtype=dtype)
+        for n, p in values.params.items():
+            assert np.array_equal(to_float(back.params[n]), p), (dtype, n)
+
+
+def test_weights_beyond_float16_are_refused_naming_the_tensor(tmp_path):
+    model = random_model(gqa_config())
+    model.params["layers.1.feed_forward.w2.weight"][0, 0] = 1e6
+    path = npllama.save(model, tmp_path / "m.safetensors", format="meta")
+    with pytest.raises(CheckpointError, match="w2.weight holds NaN or infinite values.*overflowed"):
+        npllama.load(path, dtype=np.float16)
+    assert npllama.load(path, dtype="bfloat16").storage_dtype == "bfloat16"     # bfloat16 has float32's range
+
+
+def test_a_weight_dtype_npllama_does_not_hold_is_refused(tmp_path):
+    path = npllama.save(random_model(gqa_config()), tmp_path / "m.safetensors", format="meta")
+    with pytest.raises(ValueError, match="float16 or 'bfloat16'"):
+        npllama.load(path, dtype=np.int8)
+    with pytest.raises(ValueError, match="float16 or 'bfloat16'"):
+        ck.read_checkpoint(path, dtype="float8")
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_generate_command_holds_the_weights_at_half_precision(tmp_path, capsys, storage):
+    model = random_model(gqa_config())
+    path = npllama.save(model, tmp_path / "m.safetensors", format="meta")
+    assert cli.main(["generate", "-m", str(path), "--prompt-ids", "1,2,3", "-n", "6", "--temp", "0",
+                     "--dtype", storage]) == 0
+    out, err = capsys.readouterr()
+    half = npllama.load(path, dtype=storage)
+    assert out.split() == [str(i) for i in [1, 2, 3, *half.generate([1, 2, 3], 6)]]
+    assert storage in err
+
+
+def test_the_footprint_worked_out_before_loading_is_what_the_load_holds(tmp_path):
+    """The footprint (the figure a fit check compares with free memory), from shapes and dtypes alone,
+    equals the bytes the loaded model then holds in new arrays and in mapped file pages."""
+    model = random_model(gqa_config())
+    files = checkpoints(tmp_path, model)
+    files["f16"] = npllama.save(model, tmp_path / "f16.safetensors", format="meta", dtype="float16")
+    for name, path in files.items():
+        for dtype in ("float32", "float16", "bfloat16"):
+            for mapped in (True, False):
+                loaded = ck.read_checkpoint(path, dtype, mmap=mapped)
+                held = loaded.params.values()
+                want = (sum(p.nbytes for p in held if not is_mapped(p)), sum(p.nbytes for p in held if is_mapped(p)))
+                assert tuple(loaded.footprint) == want, (name, dtype, mapped)
+                assert loaded.footprint.total == sum(p.nbytes for p in held) > 0
+                assert f"holds {loaded.footprint.describe()}" in loaded.notes
