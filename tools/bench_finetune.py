@@ -40,10 +40,22 @@ import statistics
 from functools import partial
 import subprocess
 import sys
+import time
 
 import numpy as np
 
-from bench_train import best_time                # tools/ is the script's folder
+
+
+def best_time(fn, steps, warmup):
+    """The median seconds of `steps` calls of fn, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 SHAPES = {
     "110m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, tie_embeddings=True),
