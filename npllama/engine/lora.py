@@ -37,6 +37,7 @@ from ..model import LoraGrads, layer_param_names, layer_weights
 from ..ops import linear_backward, linear_forward
 from ..ops.linear import LinearCache
 from .block import block_backward, block_forward
+from .layout import FlatLayout
 from .stacked import StackedLayer, stack_layer, unstack
 
 # The members of each stacked projection, in their row order (engine/stacked.py).
@@ -117,7 +118,13 @@ def freeze_stacked(params: dict, config: LlamaConfig) -> list[StackedLayer]:
 
     The params dict is pointed at views of the stacks (the same values), so the stacks and the
     params share memory instead of the engine copying [wq; wk; wv] and [w1; w3] at every call.
+    When the params are views of one flat array (npllama.Llama's layout), the stacks are views of
+    it already, and nothing is copied.
     """
+    layout = FlatLayout(config)
+    flat = layout.base_of(params)
+    if flat is not None:
+        return [layout.stacked(flat, i) for i in range(config.n_layers)]
     frozen = []
     for i in range(config.n_layers):
         stacked = stack_layer(layer_weights(params, i))

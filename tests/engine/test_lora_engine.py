@@ -8,7 +8,7 @@ parameters keep their values.
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from npllama import Llama, lora, model as reference
+from npllama import Llama, LlamaConfig, lora, model as reference
 from npllama.gradcheck import rel_error
 from npllama.llama import LoraLlama
 
@@ -89,3 +89,24 @@ def test_gradient_checkpointing_gives_the_same_bits(cfg, rank, target_list, B, T
 
 def same_arrays(a, b):
     return a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_a_flat_base_is_frozen_without_a_copy():
+    """A base made by Llama(config) holds its weights in one flat array, whose stacked views the
+    LoRA engine runs as they are; a loaded base (separate arrays) gets stacks the params then view."""
+    cfg = LlamaConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=11, multiple_of=8,
+                      max_seq_len=16)
+    spec = lora.LoraSpec(rank=2)
+    flat_base = Llama(cfg, seed=0)
+    before = {n: p for n, p in flat_base.params.items()}
+    adapted = LoraLlama(flat_base, spec, seed=0)
+    flat = before["tok_embeddings.weight"].base
+    assert all(p is before[n] for n, p in flat_base.params.items())          # params untouched
+    assert all(np.shares_memory(stack.wqkv, flat) and np.shares_memory(stack.w13, flat)
+               for stack in adapted._frozen)
+    separate = Llama.from_params(cfg, {n: p.copy() for n, p in before.items()})
+    adapted_separate = LoraLlama(separate, spec, seed=0)
+    assert all(np.shares_memory(stack.wqkv, separate.params[f"layers.{i}.attention.wq.weight"])
+               for i, stack in enumerate(adapted_separate._frozen))
+    tokens = np.arange(12).reshape(2, 6) % 11
+    assert np.array_equal(adapted.forward(tokens), adapted_separate.forward(tokens))
