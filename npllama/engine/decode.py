@@ -41,8 +41,9 @@ DECODE_BLAS_THREADS = 1
 # A step of up to projections.FEW_ROWS rows runs its GEMMs through OpenBLAS's small-matrix
 # kernels (projections.few_rows_gemm), which use one thread and beat its threaded GEMM even with
 # both cores free (110M, 8 rows: 157 tok/s against 104 for one GEMM on one thread and 10-170 on two,
-# by the load). Larger batches on large models are compute-bound GEMMs that keep the process's BLAS
-# threads; on a busy machine, where OpenBLAS's threads wait for each other at every matmul, run
+# by the load); the large ones' rows are split between the caller and one helper thread
+# (projections.RowHalves: 110M, 8 rows, 124 -> 137 tok/s, load 1.3). Larger batches on large
+# models are compute-bound GEMMs that keep the process's BLAS threads; on a busy machine, where OpenBLAS's threads wait for each other at every matmul, run
 # generation inside npllama.engine.blas_threads(1), whose setting these steps then keep.
 MIN_THREADED_ROWS = FEW_ROWS + 1
 

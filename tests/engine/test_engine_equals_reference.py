@@ -121,9 +121,17 @@ def test_many_shards_on_two_threads_equal_the_reference(monkeypatch):
 LAYOUTS = st.sampled_from(["stacked", "in_place"])
 
 
-@settings(max_examples=20)
-@given(configs(), st.integers(1, 3), st.integers(1, 6), LAYOUTS, st.integers(0, 10_000))
-def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, seed):
+@settings(max_examples=25)
+@given(configs(), st.integers(1, 4), st.integers(1, 6), LAYOUTS, st.booleans(), st.integers(0, 10_000))
+def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, split, seed):
+    """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
+    as large models' are, whatever its size and the machine's cores."""
+    with mock.patch.object(projections, "SPLIT_MIN_MACS", 0 if split else projections.SPLIT_MIN_MACS), \
+            mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
+        _decode_equals_the_reference(cfg, B, P, layout, seed)
+
+
+def _decode_equals_the_reference(cfg, B, P, layout, seed):
     model = random_model(cfg, seed)
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
     kv = model.new_kv_cache(B)
@@ -239,3 +247,16 @@ def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused
         assert blas.get_blas_threads() == threads
         stream.close()
     blas.set_blas_threads(before)
+
+
+def test_row_halves_equal_one_gemm_and_pass_errors_on():
+    rng = np.random.default_rng(0)
+    w, x = rng.standard_normal((301, 40)), rng.standard_normal((5, 40))
+    halves = projections.RowHalves()
+    out = np.empty((5, 301))
+    assert halves(w, x, out) and rel_error(out, x @ w.T) < TOL
+    again = np.empty((5, 301))
+    assert halves(w, x, again) and np.array_equal(again, out)            # the same bits every call
+    with pytest.raises(ValueError):                          # the halves fail: the caller raises
+        halves(w, x[:, :7], np.empty((5, 301)))
+    assert halves(w, x, again) and np.array_equal(again, out)            # and the helper is free again
