@@ -43,8 +43,9 @@ DECODE_BLAS_THREADS = 1
 # both cores free (110M, 8 rows: 157 tok/s against 104 for one GEMM on one thread and 10-170 on two,
 # by the load); the large ones' rows are split between the caller and one helper thread
 # (projections.RowHalves: 110M, 8 rows, 124 -> 137 tok/s, load 1.3). Larger batches on large
-# models are compute-bound GEMMs that keep the process's BLAS threads; on a busy machine, where OpenBLAS's threads wait for each other at every matmul, run
-# generation inside npllama.engine.blas_threads(1), whose setting these steps then keep.
+# models are compute-bound GEMMs that keep the process's BLAS threads; on a busy machine, where
+# OpenBLAS's threads wait for each other at every matmul, run generation inside
+# npllama.engine.blas_threads(1), whose setting these steps then keep.
 MIN_THREADED_ROWS = FEW_ROWS + 1
 
 # Weights up to this many bytes are copied once per generation into the stacked, norm-folded
