@@ -98,6 +98,7 @@ def batch(cfg, B, T):
 
 def run_npllama(cfg, mode, B, T, rank, warmup, steps, threads, checkpointing):
     import npllama
+    from npllama.engine import FusedAdamW
     from npllama.engine.blas import set_blas_threads
     from npllama.llama import LoraLlama
     from npllama.lora import LoraSpec
@@ -107,7 +108,7 @@ def run_npllama(cfg, mode, B, T, rank, warmup, steps, threads, checkpointing):
     if mode == "lora":
         model = LoraLlama(model, LoraSpec(rank=rank, alpha=2.0 * rank, targets=TARGETS), seed=0)
     model.gradient_checkpointing = checkpointing
-    opt = npllama.AdamW(model.params, lr=1e-4)
+    opt = FusedAdamW(model.params, lr=1e-4, workers=threads)      # the optimizer `npllama train` runs
     x, y = batch(cfg, B, T)
 
     def step():
