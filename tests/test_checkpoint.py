@@ -16,7 +16,8 @@ import npllama
 from npllama.io import checkpoint as ck, hf as cv
 from npllama.io.errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError
 from npllama.io.llama2c import LLAMA2C_MAGIC
-from npllama.io.safetensors import _bf16_to_f32, f32_to_bf16, read_safetensors, read_safetensors_header, write_safetensors_atomic
+from npllama.io.safetensors import Bfloat16, read_safetensors, read_safetensors_header, write_safetensors_atomic
+from npllama.storage import bfloat16_to_float32, float32_to_bfloat16
 from npllama.ops import rope_frequencies
 from npllama.tokenizers import CharTokenizer
 
@@ -107,7 +108,7 @@ def test_name_maps_cover_every_parameter_both_ways():
 def test_safetensors_write_read_all_dtypes(tmp_path):
     t = {"f32": np.arange(6, dtype=np.float32).reshape(2, 3), "f64": np.array(2.5),
          "f16": np.ones((3,), np.float16), "i64": np.array([1, -2], np.int64), "empty": np.zeros((0, 4), np.float32),
-         "bf16": f32_to_bf16(np.array([1.0, -2.5, 3.140625], np.float32))}
+         "bf16": Bfloat16(float32_to_bfloat16(np.array([1.0, -2.5, 3.140625], np.float32)))}
     write_safetensors_atomic(tmp_path / "x.safetensors", t, {"note": "hi"})
     got, meta = read_safetensors(tmp_path / "x.safetensors")
     assert meta == {"note": "hi", "format": "pt"}
@@ -122,7 +123,7 @@ def test_safetensors_write_read_all_dtypes(tmp_path):
 
 def test_bf16_rounds_to_nearest_even():
     x = np.array([1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-7 + 2**-9], np.float32)
-    back = _bf16_to_f32(f32_to_bf16(x).bits)
+    back = bfloat16_to_float32(float32_to_bfloat16(x))
     assert back.tolist() == [1.0, 1.0 + 2**-6, 1.0 + 2**-7 + 0]
 
 

@@ -370,20 +370,13 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
 
 # ----------------------------------------------------------------------------- save
 
-_SAVE_DTYPES = {"float32": "float32", "float64": "float64", "float16": "float16", "bfloat16": "bfloat16"}
-
-
 def _save_dtype_name(dtype) -> str:
-    if isinstance(dtype, str):
-        name = dtype
-    else:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            name = str(dtype)
-    if name not in _SAVE_DTYPES:
-        raise NpllamaError(f"dtype={dtype!r} cannot be saved; use float32 (default), float64, float16 or 'bfloat16'")
-    return name
+    """The storage dtype name to write (npllama.storage), or an error worded for save."""
+    try:
+        return storage_dtype_name(dtype)
+    except NpllamaError:
+        raise NpllamaError(f"dtype={dtype!r} cannot be saved; use float32 (default), float64, float16 or "
+                           "'bfloat16'") from None
 
 
 def _cast_for_save(arr: np.ndarray, name: str):

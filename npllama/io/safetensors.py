@@ -28,7 +28,7 @@ import numpy as np
 from .. import memory
 from ..checks import is_integer
 from ..errors import MemoryLimitError, NpllamaError
-from ..storage import bfloat16_to_float32, float32_to_bfloat16
+from ..storage import bfloat16_to_float32
 from .atomic import write_atomic
 from .errors import CheckpointError
 from .integrity import Verifier, checksum_metadata
@@ -37,7 +37,7 @@ from .pickles import refuse_pickle_magic
 
 _ST_DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype("<u2"),  # read as raw bits, upcast to float32 by _bf16_to_f32
+    "BF16": np.dtype("<u2"),  # read as raw bits (npllama.storage converts them)
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
@@ -52,16 +52,6 @@ _MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 class Bfloat16(NamedTuple):
     """A bfloat16 tensor for write_safetensors_atomic: its raw uint16 bits (NumPy has no bfloat16)."""
     bits: np.ndarray
-
-
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 is the top half of a float32: shift the 16 bits up, exact."""
-    return bfloat16_to_float32(bits)
-
-
-def f32_to_bf16(x: np.ndarray) -> Bfloat16:
-    """Round float32 to bfloat16, to nearest with ties to even (as torch does); NaN stays NaN."""
-    return Bfloat16(float32_to_bfloat16(x))
 
 
 def _header_entries(path: Path, header: dict, data_len: int) -> list[tuple[str, str, tuple, int, int]]:
@@ -191,7 +181,7 @@ def read_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], 
             if verifier is not None:
                 verifier.check(name, arr)
             arr = arr.reshape(shape)
-            arr = _bf16_to_f32(arr) if st == "BF16" else arr.astype(dt.newbyteorder("="), copy=False)
+            arr = bfloat16_to_float32(arr) if st == "BF16" else arr.astype(dt.newbyteorder("="), copy=False)
             tensors[name] = arr
     return tensors, _without_checksum(metadata)
 
