@@ -21,7 +21,6 @@ from .checks import check_dtype, check_int
 from .config import LlamaConfig
 from .engine.layout import FlatLayout, flat_params
 from .engine.lora import freeze_stacked, lora_blocks
-from .engine.passes import stacked_blocks
 from .engine.recompute import recomputed
 from .errors import NpllamaError
 from .kvcache import KVCache
@@ -57,10 +56,6 @@ class Llama:
         self.rope = model_rope_tables(config, dtype)   # (cos, sin), each (max_seq_len, Dh/2)
         # True: keep only each block's input and recompute the block in backward (engine/recompute.py)
         self.gradient_checkpointing = False
-
-    def _blocks(self):
-        """What the engine runs: its default blocks, or them with gradient checkpointing."""
-        return recomputed(stacked_blocks(self.params, self.config)) if self.gradient_checkpointing else None
 
     @classmethod
     def from_params(cls, config: LlamaConfig, params: dict, dtype=None) -> "Llama":
@@ -138,7 +133,7 @@ class Llama:
                 raise NpllamaError(f"start_pos={start_pos} skips positions: the kv_cache holds only "
                                    f"{kv_cache.length}")
         logits = engine.forward(self.params, self.config, self.rope, tokens, kv_cache=kv_cache,
-                                start_pos=start_pos, mask=mask, workers=workers, blocks=self._blocks())
+                                start_pos=start_pos, mask=mask, workers=workers)
         if kv_cache is not None:
             kv_cache.length = start_pos + tokens.shape[1]
         return logits[0] if one_dim else logits
@@ -251,15 +246,15 @@ class LoraLlama:
         self._frozen = freeze_stacked(base.params, base.config)
 
     def _blocks(self):
-        blocks = lora_blocks(self._frozen, self.params, self.config, self.spec)
-        return recomputed(blocks) if self.gradient_checkpointing else blocks
+        """The blocks with the adapters, on the frozen stacks (engine/lora.py)."""
+        return lora_blocks(self._frozen, self.params, self.config, self.spec)
 
     def forward(self, tokens, workers=None):
         """Logits (B, T, V) of the adapted model for tokens (B, T); a 1-D sequence gives (T, V)."""
         one_dim = np.ndim(tokens) == 1
         tokens = check_tokens(tokens, self.config)
         logits = engine.forward(self.base.params, self.config, self.rope, tokens, workers=workers,
-                                blocks=self._blocks())
+                                blocks=self._blocks())         # no gradient: nothing to recompute
         return logits[0] if one_dim else logits
 
     def loss_and_grads(self, tokens, targets, workers=None):
@@ -269,8 +264,10 @@ class LoraLlama:
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
             raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
+        blocks = self._blocks()
         loss, grads = engine.loss_and_grads(self.base.params, self.config, self.rope, tokens, targets,
-                                            workers=workers, blocks=self._blocks(), frozen=True)
+                                            workers=workers, frozen=True,
+                                            blocks=recomputed(blocks) if self.gradient_checkpointing else blocks)
         return loss, {name: grads[name] for name in self.params}
 
     def merged(self) -> Llama:

@@ -364,10 +364,12 @@ def shard_loss_and_grads(step: Step, shard: int, tokens, targets) -> float:
     ids = tokens.reshape(-1)
     x = np.take(views["tok_embeddings.weight"], ids, axis=0)               # (N,) -> (N, D)
     caches = []                             # per block: its BlockCache, or its input when recomputing
-    for w in step.layers:
+    last = len(step.layers) - 1
+    for i, w in enumerate(step.layers):
         x_in = x
         x, c = block_forward(x, w, rot, s, cfg.norm_eps, step.block, step.keep_probs)
-        caches.append(x_in if step.recompute else c)
+        # the last block's backward comes next: its cache is kept, not recomputed at once
+        caches.append(x_in if step.recompute and i < last else c)
     rstd = rms_rstd(x, cfg.norm_eps)
     xn = x * rstd
     xn *= views["norm.weight"]
@@ -387,7 +389,7 @@ def shard_loss_and_grads(step: Step, shard: int, tokens, targets) -> float:
     step.sums.put((cfg.n_layers, "norm"), gviews["norm.weight"], shard, _value(dnorm))
     for i in reversed(range(cfg.n_layers)):
         c = caches.pop()
-        if step.recompute:                  # the same forward on the same input: the same cache, bit for bit
+        if step.recompute and i < last:     # the same forward on the same input: the same cache, bit for bit
             _, c = block_forward(c, step.layers[i], rot, s, cfg.norm_eps, step.block, step.keep_probs)
         dx = block_backward(dx, c, step.layers[i], step.dlayers[i], s, rot, step.sums, shard, i)
         del c
