@@ -222,11 +222,11 @@ def map_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], d
 
 
 def map_copy_on_write(f, path: Path) -> mmap.mmap:
-    """The whole open file f mapped copy-on-write. A private writable mapping is charged to the
-    process's memory commitment as if it were allocated, so a file larger than the memory left
-    is refused (MemoryLimitError) rather than failing with a bare OSError."""
+    """The whole open file f mapped copy-on-write. A private writable mapping counts against the
+    memory the kernel lets the process commit, so a file beyond it fails to map: that is a
+    MemoryLimitError here, not a bare OSError. (What the load will hold is checked afterwards,
+    from the header: io/checkpoint.py.)"""
     size = os.fstat(f.fileno()).st_size
-    memory.require(size, f"mapping {path}", "load it on a machine with more memory")
     try:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except OSError as e:
