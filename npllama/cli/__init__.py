@@ -25,7 +25,7 @@ import sys
 
 from ..errors import describe_os_error
 from . import export, generate, gradcheck, plot, train
-from .args import EXIT_PIPE_CLOSED
+from .args import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED
 
 SUBCOMMANDS = [gradcheck, train, generate, plot, export]
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print(f"npllama {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from ..train.checkpoint import CHECKPOINT_NAME, load_train_state
 from ..train.config import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INTS, PRESETS, TrainConfig, parse_duration,
                             preset)
 from ..train.loop import train
-from .args import EXIT_PIPE_CLOSED, number
+from .args import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, number
 
 
 def _duration(text: str) -> float:
@@ -122,4 +122,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"npllama train: output closed; stopped at step {result.steps}, saved {result.checkpoint} "
               "(continue with --resume)", file=sys.stderr)
         return EXIT_PIPE_CLOSED
-    return 130 if result.stopped == "interrupted" else 0
+    return EXIT_INTERRUPTED if result.stopped == "interrupted" else 0

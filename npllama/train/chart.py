@@ -84,7 +84,6 @@ def loss_chart(train: list[dict], evals: list[dict], width: int | None = None, h
         lines.append(f"{labelled.get(r, ''):>8} |" + "".join(grid[r]).rstrip())
     lines.append(" " * 8 + " +" + "-" * cols)
     # step labels under the first, middle and last columns (one label when all share a step)
-    # step labels under the first, middle and last columns
     mid = (s0 + s1) // 2
     ticks = [(s0, 0)] + ([(s1, cols - len(str(s1)))] if s1 != s0 else []) + \
         ([(mid, cols // 2 - len(str(mid)) // 2)] if mid not in (s0, s1) else [])

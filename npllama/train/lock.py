@@ -1,6 +1,6 @@
 """One run per folder: `npllama train` holds a lock on its --out-dir for the life of the run.
 
-    with RunLock(out_dir, log) as lock:     # RunLockedError, naming the holder, if another run has it
+    with RunLock(out_dir) as lock:     # RunLockedError, naming the holder, if another run has it
         ...
 
 The lock is flock(2) on OUT_DIR/train.lock: an exclusive lock on an open file, held until the
