@@ -23,8 +23,9 @@ InPlaceProjections, for large models, where a step costs per byte of weights rea
 layout; a memory-mapped file's pages, or float16 / bfloat16 weights), never copied. One row
 runs np.vecdot(W, x), a dot product per row of W: 1.7-2x the bandwidth of OpenBLAS's gemv on
 this layout, W @ x (measured on 2 cores: 17-30 vs 8-15 GB/s, one thread), and as fast as gemv
-on a transposed copy. Several rows run one GEMM per matrix. sqrt(D) g multiplies the
-normalised vector, 1/sqrt(Dh) the q part of the output. Half-held matrices go through
+on a transposed copy. Up to FEW_ROWS rows run small GEMMs on blocks of W's rows (few_rows_gemm),
+a large matrix's halves on two threads (RowHalves); more rows, one GEMM per matrix. sqrt(D) g
+multiplies the normalised vector, 1/sqrt(Dh) the q part of the output. Half-held matrices go through
 ChunkedHalfLinear.
 """
 
@@ -110,7 +111,11 @@ class StackedProjections:
             out = np.empty((1, w.shape[0]), dtype=x.dtype)
             matvec_into(w, x[0], out[0])
             return out
-        return few_rows_linear(w, x) if x.shape[0] <= FEW_ROWS else x @ w.T
+        if x.shape[0] > FEW_ROWS:
+            return x @ w.T
+        out = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+        few_rows_linear(w, x, out)
+        return out
 
     def embed(self, ids):
         return self.embedding.take(ids, axis=0)
@@ -227,30 +232,31 @@ _row_halves: RowHalves | None = None
 _row_halves_lock = threading.Lock()
 
 
-def few_rows_linear(w, x):
-    """x (N, in) @ w.T -> (N, n) for N <= FEW_ROWS: few_rows_gemm, on two cores when the GEMM is
+def few_rows_linear(w, x, out):
+    """out (N, n) = x (N, in) @ w.T for N <= FEW_ROWS: few_rows_gemm, on two cores when the GEMM is
     large enough to pay for the hand-off (SPLIT_MIN_MACS) and the process may use two."""
     global _row_halves
-    if w.shape[0] * w.shape[1] * x.shape[0] < SPLIT_MIN_MACS or w.shape[0] < 2 or available_cores() < 2:
-        return few_rows_gemm(w, x)
-    if _row_halves is None:
-        with _row_halves_lock:
-            if _row_halves is None:
-                _row_halves = RowHalves()
-    out = np.empty((x.shape[0], w.shape[0]), dtype=np.result_type(x, w))
-    return out if _row_halves(w, x, out) else few_rows_gemm(w, x)
+    if w.shape[0] * w.shape[1] * x.shape[0] >= SPLIT_MIN_MACS and w.shape[0] >= 2 and available_cores() >= 2:
+        if _row_halves is None:
+            with _row_halves_lock:
+                if _row_halves is None:
+                    _row_halves = RowHalves()
+        if _row_halves(w, x, out):
+            return
+    out[...] = few_rows_gemm(w, x)
 
 
 def linear_in_place(w, x, out, half_linear: ChunkedHalfLinear):
     """out (N, n) = x (N, in) @ w.T with w (n, in) read as it is held, never copied: one dot product
-    per row of w for one row of x, small GEMMs for a few (few_rows_gemm), one GEMM for many, and
-    half_linear for a half-held w."""
+    per row of w for one row of x, small GEMMs for a few (few_rows_linear), one GEMM for many, and
+    half_linear for a w held in another dtype than x's (float16 / bfloat16, or float32 under a
+    float64 x)."""
     if w.dtype != x.dtype:
         half_linear(w, x, out)
     elif x.shape[0] == 1:
         matvec_into(w, x[0], out[0])
     elif x.shape[0] <= FEW_ROWS:
-        out[...] = few_rows_linear(w, x)
+        few_rows_linear(w, x, out)
     else:
         np.matmul(x, w.T, out=out)
 
@@ -272,7 +278,7 @@ class InPlaceProjections:
         self.output = params[output_weight_name(config)]
         self.final_gain = gain(params["norm.weight"])
         self.d_eps = D * config.norm_eps
-        self.q_end, self.k_end, self.qkv_width = H * Dh, (H + KVH) * Dh, (H + 2 * KVH) * Dh
+        self.q_end, self.qkv_width = H * Dh, (H + 2 * KVH) * Dh
         self.q_scale = self.dtype.type(1.0 / np.sqrt(Dh))
         self.half_linear = ChunkedHalfLinear(max(D, config.hidden_dim), self.dtype)
 
