@@ -147,7 +147,7 @@ class Llama:
         model.params then holds views of it): arrays taken from model.params before are copies.
         workers: threads sharing contiguous shards of the batch rows (default: one per CPU core, at
             most B; one for small steps); see npllama.engine.training. The shards' terms are summed
-            in shard order, so a call gives the same bits whatever the threads' timing; the number
+            in a fixed order, so a call gives the same bits whatever the threads' timing; the number
             of shards (and so the rounding) depends on `workers` and the batch's size only.
         """
         if is_half(self.storage_dtype):

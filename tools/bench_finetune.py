@@ -32,7 +32,6 @@ Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU, other jobs running; REA
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
@@ -66,10 +65,8 @@ TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 def release_and_reset_peak():
     """Hand freed heap pages back to the OS, then restart the kernel's peak-RSS counter (VmHWM)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    from npllama.engine.memory import release_freed_memory
+    release_freed_memory()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 

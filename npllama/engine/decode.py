@@ -6,7 +6,7 @@
 Equal, up to rounding, to model.forward(params, config, ids[:, None], kv_cache=kv_cache,
 start_pos=pos)[:, 0] (tests/engine/ checks 1e-10 in float64). The block is the reference's,
 in fewer, larger NumPy calls:
-  - the linear layers are a Projections object (engine.projections), one of two layouts chosen
+  - the linear layers are StackedProjections or InPlaceProjections (engine.projections), chosen
     by the size of the weights: stacked, norm-folded copies for small models, whose steps cost
     per NumPy call, or the parameters read in place for large ones, whose steps cost per byte of
     weights read (and whose weights may be memory-mapped, or held in float16 / bfloat16);
@@ -17,7 +17,7 @@ in fewer, larger NumPy calls:
         y[2i] = x[2i] cos - x[2i+1] sin,   y[2i+1] = x[2i] sin + x[2i+1] cos;
   - the softmax denominator comes out of the same matmul as its numerator (DecodeCache).
 The cache is a DecodeCache, a KVCache in the layout the step reads fastest: the prefill
-(model.forward over the prompt) fills it through KVCache.append, and each step adds one position.
+(engine.inference.forward over the prompt) fills it through KVCache.append, and each step adds one position.
 """
 
 from __future__ import annotations

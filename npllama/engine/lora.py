@@ -24,7 +24,6 @@ tests/engine/test_lora_engine.py checks all of it against npllama.lora (float64,
 
 from __future__ import annotations
 
-import ctypes
 from functools import partial
 from typing import NamedTuple
 
@@ -38,6 +37,7 @@ from ..ops import linear_backward, linear_forward
 from ..ops.linear import LinearCache
 from .block import block_backward, block_forward
 from .layout import FlatLayout
+from .memory import release_freed_memory
 from .stacked import StackedLayer, stack_layer, unstack
 
 # The members of each stacked projection, in their row order (engine/stacked.py).
@@ -132,18 +132,6 @@ def freeze_stacked(params: dict, config: LlamaConfig) -> list[StackedLayer]:
         frozen.append(stacked)
     release_freed_memory()
     return frozen
-
-
-def release_freed_memory() -> None:
-    """Hand the pages of freed heap memory back to the OS (glibc's malloc_trim; elsewhere nothing).
-
-    glibc keeps the chunks of freed arrays mapped for reuse by later allocations, so without
-    this the matrices the stacks replaced would stay in the process's memory.
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):        # not glibc: its allocator returns memory itself, or keeps it
-        pass
 
 
 def adapted_stack(weight: np.ndarray, members: tuple, sizes: list[int], i: int, adapters: dict,

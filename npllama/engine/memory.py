@@ -25,18 +25,36 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20          # glibc's largest: arrays above it are still mmapped (and, in NumPy, huge pages)
 TRIM_THRESHOLD = (1 << 31) - 1     # never trim the heap's top on its own (malloc_trim still does)
 
-_done = False
+_kept: bool | None = None          # None: not tried yet; then whether glibc took the thresholds
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def keep_freed_memory() -> bool:
-    """Set glibc's mmap and trim thresholds once per process (module docstring); True if glibc took them."""
-    global _done
-    if _done:
-        return True
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):      # not glibc
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    return _done
+    """Set glibc's mmap and trim thresholds, once per process (module docstring; later calls only
+    report the first's outcome); True if glibc took them."""
+    global _kept
+    if _kept is None:
+        mallopt = getattr(_libc(), "mallopt", None)           # not glibc: no mallopt
+        if mallopt is None:
+            _kept = False
+        else:
+            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            _kept = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _kept
+
+
+def release_freed_memory() -> None:
+    """Hand the pages of freed heap memory back to the OS (glibc's malloc_trim; elsewhere nothing).
+
+    glibc keeps the chunks of freed arrays mapped for reuse by later allocations, so without
+    this memory that an object stopped using (matrices replaced by copies) stays in the process.
+    """
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -18,7 +18,7 @@ from .. import model
 
 
 def recomputed(blocks: model.Blocks) -> model.Blocks:
-    """blocks (the engine's or LoRA's) with gradient checkpointing: caches (x, w, cos, sin, eps) only."""
+    """blocks (the engine's or LoRA's) with gradient checkpointing: caches (x, w, cos, sin, eps, mask) only."""
 
     def forward(x, w, cos, sin, *, eps, kv=None, start_pos=0, mask=None):
         out, _ = blocks.forward(x, w, cos, sin, eps=eps, kv=kv, start_pos=start_pos, mask=mask)

@@ -9,7 +9,7 @@ with the work laid out for NumPy on a few cores:
     [wq; wk; wv] and [w1; w3] are views too, and the gradients are written into one new flat
     array whose views are returned. Each stacked dW GEMM writes its slot directly.
   - Shards (engine/shards.py): the batch rows in shards on one thread per core. Every shard
-    adds its gradient terms into the one gradient array, in shard order (ShardSums), so the
+    adds its gradient terms into the one gradient array, in a fixed order (ShardSums), so the
     sums are those of one fixed order whatever the threads' timing: a step is reproducible
     bit for bit, and there is no per-shard copy of the gradients.
   - Block-causal attention (engine/attention.py): no score in a query block's future is made.
@@ -19,7 +19,8 @@ with the work laid out for NumPy on a few cores:
   - Memory that a step frees is kept for the next (engine/memory.py: a process-wide glibc
     setting, made once), so the step's arrays are not faulted in again page by page.
   - Only what backward cannot cheaply recompute is kept: per block its input, the two rstd
-    columns, q, k, [v | 1], the attention probabilities, the attention output, h, [silu | up]
+    columns, q, k, [v | 1], the attention probabilities (up to KEEP_PROBS_MAX_T positions; above,
+    their row statistics only), the attention output, h, [silu | up]
     and sigmoid(gate). The norms' outputs and silu * up are recomputed (one multiply each).
 
 tests/engine/ checks loss and every gradient against the reference (float64, 1e-10).
@@ -410,7 +411,8 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     npllama.Llama keeps them) nothing is copied, otherwise they are gathered into one first.
     rope: (cos, sin) tables of model_rope_tables. workers: threads (engine.shards.resolve_workers).
     block: query positions per attention block (BLOCK). keep_probs: False recomputes
-    the attention probabilities in backward instead of keeping them (less memory, a few % slower).
+    the attention probabilities in backward instead of keeping them (less memory, a few % slower);
+    None keeps them up to KEEP_PROBS_MAX_T positions.
     recompute: gradient checkpointing (engine/recompute.py): keep only each block's input and run
     its forward again in backward; the same arithmetic, so the same bits, for a third more compute.
     Returns: loss (python float), grads: views of one new flat array, keyed like params.
