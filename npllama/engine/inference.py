@@ -24,6 +24,7 @@ from ..model import layer_weights, output_weight_name
 from ..ops import rmsnorm_forward
 from .blas import blas_threads
 from .block import block_forward
+from .layout import stacked_views
 from .projections import ChunkedHalfLinear, linear_in_place
 from .stacked import stack_layer
 from .upcast import float_params, upcast
@@ -51,10 +52,11 @@ def _forward(params, config, rope, tokens, kv_cache, start_pos, mask, last_only)
     B, T = tokens.shape
     cos, sin = (table[start_pos:start_pos + T] for table in rope)             # (T, Dh/2)
     x = upcast(params["tok_embeddings.weight"].take(tokens, axis=0), dtype)   # (B, T) -> (B, T, D)
+    views = stacked_views(params, config)      # npllama.Llama's flat array: its stacks are views
     for i in range(config.n_layers):
         kv = None if kv_cache is None else (kv_cache, i)
-        x, _ = block_forward(x, stack_layer(layer_weights(floats, i)), cos, sin, eps=config.norm_eps,
-                             kv=kv, start_pos=start_pos, mask=mask)
+        layer = views[i] if views else stack_layer(layer_weights(floats, i))  # else one layer's copies at a time
+        x, _ = block_forward(x, layer, cos, sin, eps=config.norm_eps, kv=kv, start_pos=start_pos, mask=mask)
     if last_only:
         x = x[:, -1:]
     xn, _ = rmsnorm_forward(x, floats["norm.weight"], config.norm_eps)

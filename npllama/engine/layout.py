@@ -100,3 +100,11 @@ def flat_params(config: LlamaConfig, dtype) -> dict[str, np.ndarray]:
     """Uninitialised parameters of a model, as views of one new flat array (FlatLayout order)."""
     layout = FlatLayout(config)
     return layout.views(layout.new(dtype))
+
+
+def stacked_views(params: dict, config: LlamaConfig) -> list[StackedLayer] | None:
+    """Every block's StackedLayer as views of the flat array the params are views of (nothing
+    copied), or None when they are not (then a caller stacks copies: engine/stacked.py)."""
+    layout = FlatLayout(config)
+    flat = layout.base_of(params)
+    return None if flat is None else [layout.stacked(flat, i) for i in range(config.n_layers)]

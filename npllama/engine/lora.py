@@ -36,7 +36,7 @@ from ..model import LoraGrads, layer_param_names, layer_weights
 from ..ops import linear_backward, linear_forward
 from ..ops.linear import LinearCache
 from .block import block_backward, block_forward
-from .layout import FlatLayout
+from .layout import stacked_views
 from .memory import release_freed_memory
 from .stacked import StackedLayer, stack_layer, unstack
 
@@ -121,10 +121,9 @@ def freeze_stacked(params: dict, config: LlamaConfig) -> list[StackedLayer]:
     When the params are views of one flat array (npllama.Llama's layout), the stacks are views of
     it already, and nothing is copied.
     """
-    layout = FlatLayout(config)
-    flat = layout.base_of(params)
-    if flat is not None:
-        return [layout.stacked(flat, i) for i in range(config.n_layers)]
+    views = stacked_views(params, config)
+    if views is not None:
+        return views
     frozen = []
     for i in range(config.n_layers):
         stacked = stack_layer(layer_weights(params, i))

@@ -19,7 +19,7 @@ from ..config import LlamaConfig
 from ..kvcache import KVCache
 from ..ops import IGNORE_INDEX
 from .block import block_backward, block_forward
-from .layout import FlatLayout
+from .layout import stacked_views
 from .inference import forward as forward_without_grad
 from .shards import resolve_workers, run_sharded
 from .stacked import stack_layers
@@ -29,9 +29,7 @@ from .upcast import has_half
 def stacked_blocks(params: dict, config: LlamaConfig) -> model.Blocks:
     """The blocks as the engine runs them: weights stacked once, for every shard and layer call
     (views, when the parameters are views of one flat array as npllama.Llama keeps them)."""
-    layout = FlatLayout(config)
-    flat = layout.base_of(params)
-    layers = stack_layers(params, config) if flat is None else [layout.stacked(flat, i) for i in range(config.n_layers)]
+    layers = stacked_views(params, config) or stack_layers(params, config)
     return model.Blocks(layers, block_forward, block_backward)
 
 
