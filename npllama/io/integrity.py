@@ -21,6 +21,7 @@ against deliberate tampering, since the checksum sits in the same file. zlib.crc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 
@@ -88,3 +89,12 @@ class Verifier:
 
 _HINT = ("Restore it from a copy or write it again; npllama.load(path, verify=False) reads it anyway, "
          "at your own risk")
+
+
+def sha256_file(path) -> str:
+    """The sha256 hex digest of a file, read a MB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

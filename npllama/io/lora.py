@@ -20,28 +20,20 @@ import numpy as np
 
 from ..llama import Llama, LoraLlama
 from .errors import CheckpointError, ConfigMismatchError
+from .integrity import sha256_file
 from .metadata import OPTIMIZER_PREFIX, config_from_metadata, lora_from_metadata, tokenizer_from_metadata
 
-_CHUNK = 1 << 20
 FOLDER_FILES = (".json", ".safetensors", ".model")
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fingerprint(path) -> str:
     """sha256 of a checkpoint file, or of a folder's model files (see the module docstring)."""
     path = Path(path)
     if not path.is_dir():
-        return _sha256_file(path)
+        return sha256_file(path)
     h = hashlib.sha256()
     for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in FOLDER_FILES):
-        h.update(f"{f.name}\0{_sha256_file(f)}\n".encode())
+        h.update(f"{f.name}\0{sha256_file(f)}\n".encode())
     return h.hexdigest()
 
 

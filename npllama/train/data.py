@@ -32,6 +32,7 @@ import numpy as np
 from ..checks import check_int, check_real
 from ..errors import NpllamaError
 from ..io.atomic import write_atomic
+from ..io.integrity import sha256_file
 from ..tokenizers import CharTokenizer, train_sentencepiece
 from .config import TrainConfig
 
@@ -52,14 +53,6 @@ def cache_dir() -> Path:
     """$NPLLAMA_CACHE, else ~/.cache/npllama (not created here)."""
     env = os.environ.get(CACHE_VAR)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "npllama"
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def urlopen(url: str, timeout: float):
