@@ -1,9 +1,10 @@
 """The errors npllama raises on purpose, and how an OS error reads as one line.
 
     NpllamaError (a ValueError)     bad input, a damaged file, a run that cannot go on: the
-                                    message names the problem and a fix. Every npllama error
-                                    derives from it (CheckpointError, TokenError, ...), so
-                                    `except npllama.NpllamaError` catches them all.
+                                    message names the problem and a fix. The errors of files,
+                                    tokens, memory and runs derive from it (CheckpointError,
+                                    TokenError, ...); some argument checks still raise a plain
+                                    ValueError, so `except ValueError` catches every one.
     MemoryLimitError                an allocation refused before it was made ("needs X GiB,
                                     Y GiB available"); also a MemoryError
     OSError                         the operating system's (disk full, read-only, permission

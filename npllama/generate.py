@@ -130,7 +130,8 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
             seen[b, p] = True
 
     def prefill():
-        """Run the whole context of every row through model.forward; return last logits (B, V)."""
+        """Run the whole context of every row through the engine's inference pass (engine.inference.forward)
+        into the cache; return the last logits (B, V)."""
         P = max(len(c) for c in context)
         pads = np.array([P - len(c) for c in context])
         tokens = np.full((B, P), PAD_ID, dtype=np.int64)

@@ -28,14 +28,14 @@ DESCRIPTION = ("Read any checkpoint npllama reads (a training checkpoint, LoRA a
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                               help="write a checkpoint as a Hugging Face folder or one .safetensors (LoRA merged)")
-    p.add_argument("-m", "--model", required=True, metavar="PATH", help="the checkpoint to export")
-    p.add_argument("-o", "--out", required=True, metavar="PATH",
+    p.add_argument("-m", "--model", required=True, default=argparse.SUPPRESS, metavar="PATH", help="the checkpoint to export")
+    p.add_argument("-o", "--out", required=True, default=argparse.SUPPRESS, metavar="PATH",
                    help="a folder (Hugging Face layout), or a file ending in .safetensors (Meta names)")
-    p.add_argument("--format", choices=["hf", "meta"], default=None,
+    p.add_argument("--format", choices=["hf", "meta"], default=argparse.SUPPRESS,
                    help="hf: a transformers folder; meta: one .safetensors file [default: from --out]")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default="float32",
                    help="dtype of the written tensors")
-    p.add_argument("--tokenizer", default=None, metavar="SPM_FILE",
+    p.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="SPM_FILE",
                    help="a sentencepiece .model to write with the model (for a llama2.c .bin, which has none) "
                         "[default: the checkpoint's]")
     p.set_defaults(func=run)
@@ -43,12 +43,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    fmt = args.format or export_format(args.out)
+    fmt = getattr(args, "format", None) or export_format(args.out)
     if fmt is None:
         raise ValueError(f"--out {args.out}: give a folder (Hugging Face) or a file ending in .safetensors, "
                          "or say which with --format")
     model = load(args.model)
-    if args.tokenizer:
+    if getattr(args, "tokenizer", None):
         model.tokenizer = SentencePieceTokenizer.from_file(args.tokenizer)
     out = save(model, Path(args.out), format=fmt, dtype=args.dtype)
     cfg = model.config

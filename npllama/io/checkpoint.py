@@ -21,8 +21,9 @@ What `load` accepts (the first match wins):
 Before any array is used, load compares the file with the config: fields the tensors
 contradict (dim, vocab_size, n_layers, hidden_dim, n_kv_heads, tie_embeddings) are named first,
 then every missing, unexpected and misshapen tensor at once. Hugging Face q_proj/k_proj rows are
-un-permuted into Meta's RoPE layout (io/hf.py). float16 and bfloat16 are upcast; everything is
-cast to the requested dtype. Tensors that are derived data or optimizer state are skipped
+un-permuted into Meta's RoPE layout (io/hf.py). Every tensor is held in the dtype asked for
+(float32, float64, or float16 / bfloat16 for inference: npllama.storage); one already stored so
+stays a view of the mapped file. Tensors that are derived data or optimizer state are skipped
 knowingly, never silently: HF `rotary_emb.inv_freq` and Meta `rope.freqs` (checked against
 rope_theta first), and the optimizer moments of a training checkpoint (io/metadata.py).
 Every file save writes goes through io/atomic.py: replaced whole or left untouched. Every
@@ -351,7 +352,8 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
         is converted on its own, so a load never holds two full copies of the weights.
     mmap: True (default) maps the file instead of copying it wherever a tensor is stored in the
         dtype asked for (float32 safetensors and llama2.c .bin for float32; float16 / bfloat16
-        files for those): loading takes no time, the pages are shared with the OS page cache, and
+        files for those): nothing is copied (the checksum and finiteness checks read each page
+        once), the pages are shared with the OS page cache, and
         writing to a parameter (training) changes the process's copy only, never the file. The
         file must then not be truncated or rewritten in place while the model is in use (npllama
         replaces files whole, which is safe). False copies every tensor into memory.
