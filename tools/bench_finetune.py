@@ -20,13 +20,13 @@ handed back to the OS on both sides), against the base weights' bytes.
     python tools/bench_finetune.py --batch 1 --seq 256 --modes lora
     python tools/bench_finetune.py --gradient-checkpointing    # both sides recompute blocks in backward
 
-Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU, other jobs running; README "Fine-tuning"):
+Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU, load average 1.0-1.4; README "Fine-tuning"):
     shape 110m: dim 768, 12 layers, 12 heads, vocab 32000, tied (109.5M params, 418 MB float32); batch 4 x 128
     tokens; LoRA rank 8 on wq,wk,wv,wo,w1,w2,w3
-      lora | npllama 109 tok/s (2 threads), peak 1,042 MB = 2.49 x weights | torch 86 tok/s (1 thread),
-             peak 1,674 MB = 4.01 x weights | speed ratio npllama / torch 1.26
-      full | npllama 91 tok/s (2 threads), peak 3,819 MB = 9.14 x weights | torch 74 tok/s (1 thread),
-             peak 2,530 MB = 6.06 x weights | speed ratio npllama / torch 1.23
+      lora | npllama 328 tok/s (2 threads), peak 1,048 MB = 2.51 x weights | torch 294 tok/s (2 threads),
+             peak 1,685 MB = 4.03 x weights | speed ratio npllama / torch 1.11
+      full | npllama 192 tok/s (2 threads), peak 2,459 MB = 5.89 x weights | torch 204 tok/s (2 threads),
+             peak 2,522 MB = 6.04 x weights | speed ratio npllama / torch 0.95
 """
 
 from __future__ import annotations

@@ -22,9 +22,15 @@ the imports and a warm-up on a tiny model (which pages the libraries' code in). 
 peak while the optimizer is built and two steps run, minus the resident memory after the model
 was built (Linux: VmHWM, reset through /proc/self/clear_refs).
 
-Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU; load average before and after each):
-  cfg      shape                                    tokens/s npllama / torch (ratio)   peak MB npllama / torch (ratio)   create MB (x params)
-  default  dim 128, 4 layers, 4/4 heads, T 64, B 16 ...
+Example output, per configuration (2-core x86_64, OpenBLAS, torch 2.13 CPU):
+  default: dim 128, 4 layers, 4/4 heads, vocab 65, T 64, B 16 (0.82M params)   load average 1.16 ... -> 1.26 ...
+    npllama                   46.6 ms a step      21,992 tokens/s
+    npllama workers=1         82.7 ms a step      12,388 tokens/s
+    torch 1 thread            90.5 ms a step      11,318 tokens/s
+    torch 2 threads           54.6 ms a step      18,760 tokens/s
+    speed   npllama 21,992 tokens/s (npllama), torch 18,760 (torch 2 threads): ratio 1.17
+    memory  training peak npllama 53 MB, torch 69 MB: ratio 0.77
+    create  npllama 3.0 MB (0.96x the 3.1 MB of float32 parameters), torch 2.3 MB (0.73x)
 Exit code 0 once it has measured (ratios are reported, not asserted); 2 without torch.
 """
 
