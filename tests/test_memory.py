@@ -198,3 +198,24 @@ def test_require_passes_small_sizes_without_asking(monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda: 3 * 2 ** 30)
     with pytest.raises(MemoryLimitError, match=r"a big thing needs 4.00 GiB, 3.00 GiB available; hint"):
         memory.require(4 * 2 ** 30, "a big thing", "hint")
+
+
+def test_a_lora_run_needs_room_for_its_pass_not_for_a_second_model_and_its_moments(monkeypatch):
+    """By the check a LoRA run's base is loaded, and AdamW holds the adapters' moments only."""
+    from npllama.train import TrainConfig
+    from npllama.train.loop import require_memory
+    model_config = npllama.LlamaConfig(dim=768, n_layers=12, n_heads=12, vocab_size=32000, tie_embeddings=True,
+                                       max_seq_len=128)
+    full = TrainConfig(batch_size=4, seq_len=128)
+    lora = TrainConfig(batch_size=4, seq_len=128, lora_rank=8)
+    rows, shards = pass_footprint(4, 128, 768)
+    lora_needs = memory.pass_bytes(model_config, 4, rows, 128, 4)
+    full_needs = memory.training_bytes(model_config, 4, rows, 128, 4, shards)
+    assert lora_needs < full_needs
+    monkeypatch.setattr(memory, "available_bytes", lambda: (lora_needs + full_needs) // 2)
+    require_memory(lora, model_config)                          # fits
+    with pytest.raises(MemoryLimitError, match="needs"):
+        require_memory(full, model_config)
+    monkeypatch.setattr(memory, "available_bytes", lambda: lora_needs - 1)
+    with pytest.raises(MemoryLimitError, match="needs"):
+        require_memory(lora, model_config)

@@ -237,10 +237,17 @@ class Run:
 
 
 def require_memory(cfg: TrainConfig, model_config: LlamaConfig) -> None:
-    """Refuse, before allocating, a run whose model, optimizer and batch cannot fit (npllama.memory)."""
+    """Refuse, before allocating, a run whose model, optimizer and batch cannot fit (npllama.memory).
+
+    A LoRA run's base is loaded by then, and its optimizer holds the adapters' moments only: what
+    is still to come is a pass over the batch (with the frozen stacks), not a model and its moments."""
     rows, shards = engine.pass_footprint(cfg.batch_size, cfg.seq_len, model_config.dim)
     itemsize = np.dtype(cfg.dtype).itemsize
-    memory.require(memory.training_bytes(model_config, cfg.batch_size, rows, cfg.seq_len, itemsize, shards),
+    if cfg.lora_rank:
+        needed = memory.pass_bytes(model_config, cfg.batch_size, rows, cfg.seq_len, itemsize)
+    else:
+        needed = memory.training_bytes(model_config, cfg.batch_size, rows, cfg.seq_len, itemsize, shards)
+    memory.require(needed,
                    f"training {model_config.n_params():,} parameters ({cfg.dtype}) on batches of "
                    f"{cfg.batch_size} x {cfg.seq_len} tokens",
                    "choose a smaller --dim, --n-layers, --vocab-size, --batch-size or --seq-len")
