@@ -68,8 +68,9 @@ def test_estimates_hold_against_traced_peaks(dim, layers, heads, kv, vocab, batc
     model, peak = peak_of(lambda: npllama.Llama(cfg, dtype=dtype))
     assert 0.5 <= peak / memory.model_bytes(cfg, itemsize) <= 1.3
     x = np.random.default_rng(0).integers(0, vocab, (batch, seq))
-    rows, shards = pass_footprint(batch, seq, dim)
-    _, peak = peak_of(lambda: model.loss_and_grads(x, x))
+    # one worker: with two, how far the shards' lifetimes overlap depends on the machine's load
+    rows, shards = pass_footprint(batch, seq, dim, workers=1)
+    _, peak = peak_of(lambda: model.loss_and_grads(x, x, workers=1))
     assert 0.5 <= peak / memory.pass_bytes(cfg, batch, rows, seq, itemsize, shards) <= 1.3, peak
     _, peak = peak_of(lambda: npllama.ops.cross_entropy_forward(model.forward(x), x))
     assert 0.3 <= peak / memory.pass_bytes(cfg, batch, rows, seq, itemsize) <= 1.3, peak
