@@ -3,8 +3,9 @@
     NpllamaError (a ValueError)     bad input, a damaged file, a run that cannot go on: the
                                     message names the problem and a fix. The errors of files,
                                     tokens, memory and runs derive from it (CheckpointError,
-                                    TokenError, ...); some argument checks still raise a plain
-                                    ValueError, so `except ValueError` catches every one.
+                                    TokenError, ...): `except ValueError` catches every one, and
+                                    tests/test_errors.py fails on a plain `raise ValueError`.
+    MissingFileError                a path to read that does not exist; also a FileNotFoundError
     MemoryLimitError                an allocation refused before it was made ("needs X GiB,
                                     Y GiB available"); also a MemoryError
     OSError                         the operating system's (disk full, read-only, permission
@@ -22,6 +23,10 @@ import errno
 
 class NpllamaError(ValueError):
     """npllama's own error: the message says what is wrong and how to fix it."""
+
+
+class MissingFileError(NpllamaError, FileNotFoundError):
+    """A file or folder npllama was asked to read that does not exist (also a FileNotFoundError)."""
 
 
 class MemoryLimitError(NpllamaError, MemoryError):

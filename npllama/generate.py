@@ -27,6 +27,7 @@ import numpy as np
 from .checks import check_int, is_integer
 from .engine import DecodeStep, inference
 from .sampling import check_sampling_args, choose_next
+from .errors import NpllamaError
 
 PAD_ID = 0  # fills the left of shorter prompts; masked out, so any valid id would do
 
@@ -36,17 +37,17 @@ PAD_ID = 0  # fills the left of shorter prompts; masked out, so any valid id wou
 def _check_prompt(model, prompt_ids, name="prompt_ids") -> np.ndarray:
     arr = np.asarray(prompt_ids)
     if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D sequence of token ids, got shape {arr.shape}; "
+        raise NpllamaError(f"{name} must be a 1-D sequence of token ids, got shape {arr.shape}; "
                          "for several prompts use generate_batch")
     if arr.size == 0:
-        raise ValueError(f"{name} is empty; generation needs at least one token to condition on "
+        raise NpllamaError(f"{name} is empty; generation needs at least one token to condition on "
                          "(a sentencepiece model's BOS id, for instance)")
     if arr.dtype == bool or arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+        raise NpllamaError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
     V = model.config.vocab_size
     bad = np.flatnonzero((arr < 0) | (arr >= V))
     if bad.size:
-        raise ValueError(f"{name}[{bad[0]}] = {arr[bad[0]]} is outside [0, {V}) (vocab_size={V})")
+        raise NpllamaError(f"{name}[{bad[0]}] = {arr[bad[0]]} is outside [0, {V}) (vocab_size={V})")
     return arr.astype(np.int64)
 
 
@@ -60,12 +61,12 @@ def _check_stop_ids(model, stop_ids) -> frozenset:
     except TypeError:
         ids = None
     if ids is None or len(ids) != len(list(stop_ids)):
-        raise ValueError(f"stop_ids={stop_ids!r} must be a token id or a sequence of token ids "
+        raise NpllamaError(f"stop_ids={stop_ids!r} must be a token id or a sequence of token ids "
                          "(for stop strings, use the CLI's --stop)")
     V = model.config.vocab_size
     bad = [i for i in ids if not 0 <= i < V]
     if bad:
-        raise ValueError(f"stop_ids {bad} are outside [0, {V}) (vocab_size={V})")
+        raise NpllamaError(f"stop_ids {bad} are outside [0, {V}) (vocab_size={V})")
     return frozenset(ids)
 
 
@@ -77,7 +78,7 @@ def _check_length(model, prompt_len, max_new_tokens, sliding_window, fill_contex
     max_seq_len = model.config.max_seq_len
     limit = max_seq_len + 1 if fill_context else max_seq_len
     if not sliding_window and prompt_len > max_seq_len:
-        raise ValueError(f"prompt of {prompt_len} tokens is longer than the model's max_seq_len={max_seq_len}; "
+        raise NpllamaError(f"prompt of {prompt_len} tokens is longer than the model's max_seq_len={max_seq_len}; "
                          "shorten it, or pass sliding_window=True (npllama generate --sliding-window) to keep "
                          "its newest max_seq_len tokens")
     if not sliding_window and prompt_len + max_new_tokens > limit:
@@ -87,7 +88,7 @@ def _check_length(model, prompt_len, max_new_tokens, sliding_window, fill_contex
                 f"{max_seq_len - prompt_len + 1}, the last sampled at the final position and never fed back), ")
         bound = f"the model's max_seq_len={max_seq_len}" + (
             f" + 1 = {limit} (the last new token is never fed back, so it needs no position)" if fill_context else "")
-        raise ValueError(
+        raise NpllamaError(
             f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = "
             f"{prompt_len + max_new_tokens} passes {bound}: at most {room} new tokens fit; "
             f"shorten the prompt, lower max_new_tokens, {hint}or pass sliding_window=True "
@@ -103,7 +104,7 @@ def _rngs(seed, batch_size, temperature):
         return [np.random.default_rng(seed) for _ in range(batch_size)]
     seeds = list(seed)
     if len(seeds) != batch_size:
-        raise ValueError(f"seed: got {len(seeds)} seeds for {batch_size} prompts; pass one int or one per prompt")
+        raise NpllamaError(f"seed: got {len(seeds)} seeds for {batch_size} prompts; pass one int or one per prompt")
     return [np.random.default_rng(s) for s in seeds]
 
 
@@ -159,7 +160,7 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
     done = np.zeros(B, dtype=bool)
     for i in range(max_new_tokens):
         if np.isnan(np.maximum.reduce(logits, axis=None)):
-            raise ValueError("the model produced NaN logits; check the weights (a diverged checkpoint?)")
+            raise NpllamaError("the model produced NaN logits; check the weights (a diverged checkpoint?)")
         ids = choose_next(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen, rngs)
         finished = np.array([int(t) in stop for t in ids]) if stop else np.zeros(B, dtype=bool)
         ids_out = np.where(done | finished, -1, ids)
@@ -256,7 +257,7 @@ def generate_batch(model, prompts: Sequence, max_new_tokens: int, temperature: f
     if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
         prompts = list(prompts)
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of 1-D token id sequences")
+        raise NpllamaError("prompts must be a non-empty list of 1-D token id sequences")
     checked = [_check_prompt(model, p, name=f"prompts[{b}]") for b, p in enumerate(prompts)]
     outs = [[] for _ in checked]
     for step_ids in _prepare(model, checked, max_new_tokens, temperature, top_k, top_p, min_p,

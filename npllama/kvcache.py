@@ -5,6 +5,7 @@ once for max_seq_len, so a step writes into it rather than growing (and copying)
 """
 
 import numpy as np
+from .errors import NpllamaError
 
 
 class KVCache:
@@ -17,7 +18,7 @@ class KVCache:
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=np.float32):
         if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
+            raise NpllamaError(f"batch_size={batch_size} must be >= 1")
         shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = np.zeros(shape, dtype=dtype)
         self.v = np.zeros(shape, dtype=dtype)

@@ -222,9 +222,9 @@ class LoraLlama:
 
     def __init__(self, base: Llama, spec: LoraSpec, seed: int = 0, adapters: dict | None = None):
         if not isinstance(base, Llama):
-            raise ValueError(f"base must be an npllama.Llama, got {type(base).__name__}")
+            raise NpllamaError(f"base must be an npllama.Llama, got {type(base).__name__}")
         if not isinstance(spec, LoraSpec):
-            raise ValueError(f"spec must be an npllama.lora.LoraSpec, got {type(spec).__name__}")
+            raise NpllamaError(f"spec must be an npllama.lora.LoraSpec, got {type(spec).__name__}")
         if is_half(base.storage_dtype):
             raise NpllamaError(f"the base model holds its weights in {base.storage_dtype}, which npllama keeps for "
                                "inference only; LoRA needs a float32 or float64 base: load it with "

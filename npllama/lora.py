@@ -37,6 +37,7 @@ from . import model
 from .checks import check_dtype, check_int, check_real
 from .config import LlamaConfig
 from .model import LAYER_PARAM_NAMES, Adapted, Blocks, LayerWeights, LoraGrads, block_backward, block_forward
+from .errors import NpllamaError
 
 # The projections LoRA can adapt, in the order of a block's LayerWeights.
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -56,7 +57,7 @@ class LoraSpec:
         targets = tuple(t.strip() for t in targets)
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or not targets or len(set(targets)) != len(targets):
-            raise ValueError(f"LoRA targets {list(targets)} must be distinct names among {list(LORA_TARGETS)} "
+            raise NpllamaError(f"LoRA targets {list(targets)} must be distinct names among {list(LORA_TARGETS)} "
                              f"(unknown: {unknown}), e.g. wq,wv or wq,wk,wv,wo,w1,w2,w3")
         # the block's order, whatever order they were given in, so names and files are canonical
         object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in targets))
@@ -75,7 +76,7 @@ class LoraSpec:
             d = json.loads(text)
             return cls(rank=d["rank"], alpha=d["alpha"], targets=tuple(d["targets"]))
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"LoRA settings {text!r} are unusable: {e}") from None
+            raise NpllamaError(f"LoRA settings {text!r} are unusable: {e}") from None
 
 
 def weight_name(i: int, target: str) -> str:
@@ -130,7 +131,7 @@ def check_adapters(adapters: dict, config: LlamaConfig, spec: LoraSpec, source: 
     problems = [f"{what} {names}" for what, names in
                 (("missing", missing), ("unexpected", unexpected), ("wrong shapes", misshapen)) if names]
     if problems:
-        raise ValueError(f"{source} do not fit LoRA rank {spec.rank} on {','.join(spec.targets)} of this model: "
+        raise NpllamaError(f"{source} do not fit LoRA rank {spec.rank} on {','.join(spec.targets)} of this model: "
                          + "; ".join(problems))
 
 

@@ -49,18 +49,18 @@ class AdamW:
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.1):
         if not isinstance(params, Mapping) or not params:
-            raise ValueError("AdamW needs a non-empty dict {name: ndarray} of parameters, "
+            raise NpllamaError("AdamW needs a non-empty dict {name: ndarray} of parameters, "
                              f"got {type(params).__name__}; pass model.params")
         for name, p in params.items():
             if not isinstance(p, np.ndarray) or not np.issubdtype(p.dtype, np.floating):
-                raise ValueError(f"parameter {name!r} must be a floating-point np.ndarray, "
+                raise NpllamaError(f"parameter {name!r} must be a floating-point np.ndarray, "
                                  f"got {type(p).__name__} {getattr(p, 'dtype', '')}")
             if not p.flags.writeable:
-                raise ValueError(f"parameter {name!r} is read-only; AdamW updates parameters in place")
+                raise NpllamaError(f"parameter {name!r} is read-only; AdamW updates parameters in place")
         try:
             beta1, beta2 = betas
         except (TypeError, ValueError):
-            raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)") from None
+            raise NpllamaError(f"betas={betas!r} must be a pair (beta1, beta2)") from None
         self.lr = check_real("lr", lr, 0.0)
         self.beta1 = check_real("beta1", beta1, 0.0, 1.0, high_open=True)
         self.beta2 = check_real("beta2", beta2, 0.0, 1.0, high_open=True)
@@ -81,12 +81,12 @@ class AdamW:
         if grads.keys() != self.params.keys():
             missing = sorted(self.params.keys() - grads.keys())
             unexpected = sorted(grads.keys() - self.params.keys())
-            raise ValueError(f"grads do not match the parameters: missing {missing}, unexpected {unexpected}; "
+            raise NpllamaError(f"grads do not match the parameters: missing {missing}, unexpected {unexpected}; "
                              "pass the grads dict that model.loss_and_grads returned")
         bad = [f"{n}: grad {np.shape(g)} vs param {self.params[n].shape}"
                for n, g in grads.items() if np.shape(g) != self.params[n].shape]
         if bad:
-            raise ValueError("gradient shapes differ from the parameters: " + "; ".join(bad))
+            raise NpllamaError("gradient shapes differ from the parameters: " + "; ".join(bad))
 
     def step(self, grads: Mapping[str, np.ndarray], lr: float | None = None) -> None:
         """Apply one AdamW update to every parameter in place (see the class docstring).
@@ -131,7 +131,7 @@ class AdamW:
         Moments are copied into this optimizer's own arrays (cast to the parameters' dtype).
         """
         if not isinstance(sd, Mapping):
-            raise ValueError(f"load_state_dict needs the dict that state_dict() returned, got {type(sd).__name__}")
+            raise NpllamaError(f"load_state_dict needs the dict that state_dict() returned, got {type(sd).__name__}")
         scalar_keys = ("step", "lr", "beta1", "beta2", "eps", "weight_decay")
         problems = [f"missing {k!r}" for k in scalar_keys if k not in sd]
         expected = {f"{kind}.{n}" for n in self.params for kind in ("exp_avg", "exp_avg_sq")}
@@ -238,12 +238,12 @@ def clip_grad_norm(grads: Mapping[str, np.ndarray], max_norm: float) -> float:
     """
     if isinstance(max_norm, (bool, np.bool_)) or not isinstance(max_norm, (int, float, np.integer, np.floating)) \
             or math.isnan(max_norm) or max_norm <= 0:   # inf is allowed here: measure without clipping
-        raise ValueError(f"max_norm={max_norm!r} must be a positive number (inf measures without clipping)")
+        raise NpllamaError(f"max_norm={max_norm!r} must be a positive number (inf measures without clipping)")
     if not isinstance(grads, Mapping):
-        raise ValueError(f"clip_grad_norm needs a dict {{name: ndarray}} of gradients, got {type(grads).__name__}")
+        raise NpllamaError(f"clip_grad_norm needs a dict {{name: ndarray}} of gradients, got {type(grads).__name__}")
     for name, g in grads.items():
         if not isinstance(g, np.ndarray) or not np.issubdtype(g.dtype, np.floating):
-            raise ValueError(f"gradient {name!r} must be a floating-point np.ndarray (it is scaled in place), "
+            raise NpllamaError(f"gradient {name!r} must be a floating-point np.ndarray (it is scaled in place), "
                              f"got {type(g).__name__}")
     norms = [_l2_norm(g) for g in grads.values()]
     if any(math.isnan(n) for n in norms):
@@ -281,7 +281,7 @@ def lr_at(step: int, lr: float, warmup_steps: int, decay_steps: int, min_lr: flo
     lr = check_real("lr", lr, 0.0)
     min_lr = check_real("min_lr", min_lr, 0.0)
     if min_lr > lr:
-        raise ValueError(f"min_lr={min_lr} is above lr={lr}; the cosine decays from lr down to min_lr")
+        raise NpllamaError(f"min_lr={min_lr} is above lr={lr}; the cosine decays from lr down to min_lr")
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if decay_steps <= warmup_steps:

@@ -32,6 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from .checks import check_int, check_real
+from .errors import NpllamaError
 
 
 def check_sampling_args(temperature=0.0, top_k=None, top_p=None, min_p=None, repetition_penalty=None):
@@ -178,26 +179,26 @@ def sample_next(logits: np.ndarray, temperature: float = 0.0, top_k: int | None 
     """
     logits = np.asarray(logits)
     if logits.ndim != 2 or logits.shape[1] < 1 or not np.issubdtype(logits.dtype, np.floating):
-        raise ValueError(f"logits must be a float array of shape (B, V), got {logits.dtype} {logits.shape}")
+        raise NpllamaError(f"logits must be a float array of shape (B, V), got {logits.dtype} {logits.shape}")
     if np.isnan(logits).any() or np.isposinf(logits).any():
-        raise ValueError("logits contain NaN or +inf; the model's forward diverged (check the weights and dtype)")
+        raise NpllamaError("logits contain NaN or +inf; the model's forward diverged (check the weights and dtype)")
     if not np.isfinite(logits).any(axis=-1).all():
-        raise ValueError("a row of logits is all -inf: there is no token to choose")
+        raise NpllamaError("a row of logits is all -inf: there is no token to choose")
     check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
     B, V = logits.shape
     if repetition_penalty is not None and repetition_penalty != 1.0:
         if seen is None:
-            raise ValueError("repetition_penalty needs `seen`, a (B, V) bool mask of the tokens seen so far")
+            raise NpllamaError("repetition_penalty needs `seen`, a (B, V) bool mask of the tokens seen so far")
         seen = np.asarray(seen)
         if seen.shape != (B, V) or seen.dtype != bool:
-            raise ValueError(f"seen must be a bool array of shape {(B, V)}, got {seen.dtype} {seen.shape}")
+            raise NpllamaError(f"seen must be a bool array of shape {(B, V)}, got {seen.dtype} {seen.shape}")
     if temperature != 0:
         if rng is None:
-            raise ValueError("sampling with temperature > 0 needs rng, an np.random.Generator "
+            raise NpllamaError("sampling with temperature > 0 needs rng, an np.random.Generator "
                              "(np.random.default_rng(seed)), or use temperature=0 for greedy decoding")
         if not isinstance(rng, np.random.Generator) and (
                 len(rng) != B or not all(isinstance(g, np.random.Generator) for g in rng)):
-            raise ValueError(f"rng must be an np.random.Generator or a sequence of {B} of them (one per row)")
+            raise NpllamaError(f"rng must be an np.random.Generator or a sequence of {B} of them (one per row)")
     return choose_next(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen, rng)
 
 

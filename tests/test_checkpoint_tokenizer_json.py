@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama.tokenizer_json import HFTokenizer
+from npllama.tokenizers.tokenizer_json import HFTokenizer
 from npllama.tokenizers import tokenizer_from_file
 
 from .test_tokenizer_json import SMALL_CONFIG, small_json

@@ -13,7 +13,7 @@ import npllama
 PACKAGE = Path(npllama.__file__).parent
 
 # Bottom to top. A unit is a top-level module or subpackage of npllama.
-LAYERS = ["errors", "checks", "storage", "config", "memory", "tokenizer_json", "tokenizers", "ops", "kvcache", "model",
+LAYERS = ["errors", "checks", "storage", "config", "memory", "tokenizers", "ops", "kvcache", "model",
           "lora", "optim", "sampling", "gradcheck", "engine", "generate", "llama", "io", "train", "cli", "__main__"]
 OPTIONAL = {"torch", "transformers", "matplotlib", "tokenizers"}   # third-party, imported where used
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 from hypothesis import given, strategies as st
 
-from npllama.tokenizer_json import (HFTokenizer, LibraryHFTokenizer, TokenizerJSONError,
+from npllama.tokenizers.tokenizer_json import (HFTokenizer, LibraryHFTokenizer, TokenizerJSONError,
                                     UnsupportedTokenizerError, hf_tokenizer, tokenizer_from_folder)
 from npllama.tokenizers import SentencePieceTokenizer, tokenizer_from_json
 from .conftest import data_file

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..io import load, save
 from ..tokenizers import SentencePieceTokenizer
 from ..train.config import export_format
+from ..errors import NpllamaError
 
 
 DESCRIPTION = ("Read any checkpoint npllama reads (a training checkpoint, LoRA adapters with their base, an HF "
@@ -45,7 +46,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     fmt = getattr(args, "format", None) or export_format(args.out)
     if fmt is None:
-        raise ValueError(f"--out {args.out}: give a folder (Hugging Face) or a file ending in .safetensors, "
+        raise NpllamaError(f"--out {args.out}: give a folder (Hugging Face) or a file ending in .safetensors, "
                          "or say which with --format")
     model = load(args.model)
     if getattr(args, "tokenizer", None):

@@ -23,6 +23,7 @@ from ..generate import generate_stream
 from ..io import load
 from ..tokenizers import tokenizer_from_file
 from .args import number
+from ..errors import MissingFileError, NpllamaError
 
 # Package data, so a wheel generates offline from any folder. In the repository this is a link to
 # weights/shakespeare-char.safetensors, the one file to replace (tests/test_packaging.py).
@@ -111,9 +112,9 @@ def _load(args):
     path = Path(args.model) if args.model else DEFAULT_MODEL
     if not path.exists():
         if args.model:
-            raise FileNotFoundError(f"--model {path} does not exist; pass a .safetensors file, a Hugging Face "
+            raise MissingFileError(f"--model {path} does not exist; pass a .safetensors file, a Hugging Face "
                                     "folder or a llama2.c .bin")
-        raise FileNotFoundError(f"no --model given and the default model {path} is missing from the installed "
+        raise MissingFileError(f"no --model given and the default model {path} is missing from the installed "
                                 "package; reinstall npllama (its wheel carries the model; in a git checkout the "
                                 "file is a link to weights/shakespeare-char.safetensors) or pass --model PATH")
     model = load(path, dtype=args.dtype)
@@ -121,7 +122,7 @@ def _load(args):
     if args.tokenizer:
         tokenizer = tokenizer_from_file(args.tokenizer)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+        raise NpllamaError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.config.vocab_size}: they do not belong together; pass the model's own "
                          "tokenizer with --tokenizer")
     return path, model, tokenizer
@@ -130,10 +131,10 @@ def _load(args):
 def _prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         if args.prompt:
-            raise ValueError("give --prompt or --prompt-ids, not both")
+            raise NpllamaError("give --prompt or --prompt-ids, not both")
         return list(args.prompt_ids)
     if tokenizer is None:
-        raise ValueError("this model carries no tokenizer, so a text --prompt cannot be encoded; pass "
+        raise NpllamaError("this model carries no tokenizer, so a text --prompt cannot be encoded; pass "
                          "--tokenizer PATH, or the prompt as ids with --prompt-ids 1,2,3")
     bos = tokenizer.bos_id is not None and not args.no_bos
     text = args.prompt
@@ -141,7 +142,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
         text = "\n"  # nanoGPT's sample.py starts from a newline too
     ids = tokenizer.encode(text, bos=bos)
     if not ids:
-        raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
+        raise NpllamaError("the prompt encodes to no tokens; give a non-empty --prompt")
     return ids
 
 
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     path, model, tokenizer = _load(args)
     cfg = model.config
     if args.stop and tokenizer is None:
-        raise ValueError("--stop compares text, which needs a tokenizer (--tokenizer PATH)")
+        raise NpllamaError("--stop compares text, which needs a tokenizer (--tokenizer PATH)")
     prompt = _prompt_ids(args, tokenizer)
     n = args.max_new_tokens
     if n is None:

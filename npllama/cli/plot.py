@@ -13,6 +13,7 @@ from pathlib import Path
 from ..train.chart import loss_chart
 from ..train.metrics import METRICS_NAME, PLOT_NAME, plot_metrics, read_metrics
 from .args import number
+from ..errors import MissingFileError
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     metrics = run_dir / METRICS_NAME
     if not metrics.is_file():
-        raise FileNotFoundError(f"no {METRICS_NAME} in {run_dir}; pass the --out-dir of a training run")
+        raise MissingFileError(f"no {METRICS_NAME} in {run_dir}; pass the --out-dir of a training run")
     print(loss_chart(*read_metrics(metrics), width=getattr(args, "width", None), height=args.height))
     png = plot_metrics(metrics, run_dir / PLOT_NAME)
     if png is None:

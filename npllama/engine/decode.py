@@ -29,6 +29,7 @@ from ..kvcache import KVCache
 from .blas import blas_threads
 from .projections import FEW_ROWS, InPlaceProjections, StackedProjections
 from .upcast import has_half
+from ..errors import NpllamaError
 
 # A step's matmuls, at one row per prompt or on a small model, are small or bandwidth-bound: a second OpenBLAS thread
 # costs more in hand-off than it saves, and on a busy machine its spin-waiting is ruinous (measured
@@ -75,7 +76,7 @@ class DecodeCache(KVCache):
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=np.float32):
         if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
+            raise NpllamaError(f"batch_size={batch_size} must be >= 1")
         self.k = np.zeros((n_layers, batch_size, n_kv_heads, head_dim, max_seq_len), dtype=dtype)
         self.v = np.zeros((n_layers, batch_size, n_kv_heads, max_seq_len, head_dim + 1), dtype=dtype)
         self.v[..., head_dim] = 1.0
@@ -107,7 +108,7 @@ class DecodeStep:
         elif layout == "in_place":
             self.projections = InPlaceProjections(params, config, cos.dtype)
         else:
-            raise ValueError(f"layout={layout!r}; use 'stacked', 'in_place' or None (chosen by size)")
+            raise NpllamaError(f"layout={layout!r}; use 'stacked', 'in_place' or None (chosen by size)")
         self.layout = layout
         self.complex_dtype = np.result_type(cos.dtype, np.complex64)
         self.rotations = (cos + 1j * sin).astype(self.complex_dtype)      # (max_seq_len, Dh/2): e^(i p theta_j)

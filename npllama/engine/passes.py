@@ -24,6 +24,7 @@ from .inference import forward as forward_without_grad
 from .shards import resolve_workers, run_sharded
 from .stacked import stack_layers
 from .upcast import has_half
+from ..errors import NpllamaError
 
 
 def stacked_blocks(params: dict, config: LlamaConfig) -> model.Blocks:
@@ -69,7 +70,7 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     """
     n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
     if n_valid == 0:
-        raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
+        raise NpllamaError("every target is -100 (ignored): the mean cross-entropy has no terms")
     workers = resolve_workers(workers, *tokens.shape, config.dim)
     blocks = stacked_blocks(params, config) if blocks is None else blocks
     results = run_sharded(

@@ -44,6 +44,7 @@ from .layout import FlatLayout
 from .memory import keep_freed_memory
 from .shards import n_shards, resolve_workers, run_sharded
 from .stacked import StackedLayer
+from ..errors import NpllamaError
 
 LOG2_E = 1.0 / math.log(2.0)
 # Up to this many positions the attention probabilities are kept for backward; above, only
@@ -419,7 +420,7 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     """
     n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
     if n_valid == 0:
-        raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
+        raise NpllamaError("every target is -100 (ignored): the mean cross-entropy has no terms")
     workers = resolve_workers(workers, *tokens.shape, config.dim)
     keep_freed_memory()                     # once per process: no page faults for each step's arrays
     layout = FlatLayout(config)

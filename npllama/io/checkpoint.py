@@ -44,7 +44,7 @@ import numpy as np
 
 from .. import memory
 from ..config import LlamaConfig
-from ..errors import NpllamaError
+from ..errors import MissingFileError, NpllamaError
 from ..llama import Llama, LoraLlama
 from ..storage import all_finite, compute_dtype_of, is_half, storage_dtype_name, to_float, to_storage
 from ..ops import rope_frequencies
@@ -257,7 +257,7 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, dict, str]:
                 raise CheckpointError(f"{index}: shard {shard!r} is not a file name inside the folder")
             shard_path = folder / shard
             if not shard_path.is_file():
-                raise FileNotFoundError(f"{index} lists shard {shard!r}, which is not in {folder}")
+                raise MissingFileError(f"{index} lists shard {shard!r}, which is not in {folder}")
             part, meta, part_codes = map_safetensors(shard_path, verify)
             metadata.update(meta)
             listed = {n for n, s in wmap.items() if s == shard}
@@ -271,7 +271,7 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, dict, str]:
     pickles = sorted(p.name for p in folder.iterdir() if looks_pickled_name(p))
     if pickles:
         raise PickleRefusedError(f"{folder}: holds only PyTorch pickle weights {pickles}; refusing them. {PICKLE_HINT}")
-    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json; "
+    raise MissingFileError(f"{folder}: no model.safetensors or model.safetensors.index.json; "
                             "expected a Hugging Face LlamaForCausalLM folder")
 
 
@@ -286,7 +286,7 @@ def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len:
 
 def _read(path: Path, storage: str, strict: bool, verify: bool, mapped: bool) -> Loaded:
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or folder")
+        raise MissingFileError(f"{path}: no such file or folder")
     if path.is_dir():
         tensors, metadata, codes, source = _read_hf_folder(path, verify)
         cfg_file = path / "config.json"
@@ -295,7 +295,7 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mapped: bool) ->
         elif CONFIG_KEY in metadata:
             cfg, hf = config_from_metadata(metadata, source), False
         else:
-            raise FileNotFoundError(f"{path}: no config.json; a Hugging Face folder needs one "
+            raise MissingFileError(f"{path}: no config.json; a Hugging Face folder needs one "
                                     "(save_pretrained writes it)")
         tokenizer = tokenizer_from_metadata(metadata, source)
         if tokenizer is None and (path / "tokenizer.model").is_file():
@@ -333,7 +333,7 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mapped: bool) ->
         elif beside.is_file():
             cfg, hf = _config_from_json_file(beside)
         else:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"{path}: no config found: the metadata has no 'npllama_config' and there is no config.json "
                 "beside the file. Hint: put the model's config.json next to it")
         tokenizer = tokenizer_from_metadata(metadata, source)

@@ -51,6 +51,7 @@ import numpy as np
 from ..checks import check_int, check_real, is_integer
 from ..config import LlamaConfig
 from ..errors import NpllamaError
+from .errors import TensorMismatchError
 
 # ----------------------------------------------------------------------------- names
 
@@ -147,7 +148,7 @@ def meta_to_hf(params: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.
     for name, w in params.items():
         hf = meta_to_hf_name(name)
         if hf is None:
-            raise KeyError(f"{name!r} is not a Meta LLaMA parameter name")
+            raise TensorMismatchError(f"{name!r} is not a Meta LLaMA parameter name")
         n = _heads_for(name, cfg)
         out[hf] = permute_meta_to_hf(w, n) if n is not None else w
     return out

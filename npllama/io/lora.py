@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from ..llama import Llama, LoraLlama
+from ..errors import MissingFileError
 from .errors import CheckpointError, ConfigMismatchError
 from .integrity import sha256_file
 from .metadata import OPTIMIZER_PREFIX, config_from_metadata, lora_from_metadata, tokenizer_from_metadata
@@ -47,7 +48,7 @@ def read_adapted(path, tensors: dict, metadata: dict, load_base: Callable[[str, 
     spec, base_path, base_sha256 = lora_from_metadata(metadata, source)
     config = config_from_metadata(metadata, source)
     if not Path(base_path).exists():
-        raise FileNotFoundError(f"{source} adapts the base model {base_path}, which is not there any more; "
+        raise MissingFileError(f"{source} adapts the base model {base_path}, which is not there any more; "
                                 "put it back at that path (the adapters mean nothing without it)")
     found = fingerprint(base_path)
     if found != base_sha256:

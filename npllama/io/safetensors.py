@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import memory
 from ..checks import is_integer
-from ..errors import MemoryLimitError, NpllamaError
+from ..errors import MemoryLimitError, MissingFileError, NpllamaError
 from ..storage import bfloat16_to_float32
 from .atomic import write_atomic
 from .errors import CheckpointError
@@ -165,7 +165,7 @@ def read_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], 
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such safetensors file")
+        raise MissingFileError(f"{path}: no such safetensors file")
     tensors = {}
     with open(path, "rb") as f:
         entries, metadata, data_start = _read_header(f, path)
@@ -202,7 +202,7 @@ def map_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], d
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such safetensors file")
+        raise MissingFileError(f"{path}: no such safetensors file")
     with open(path, "rb") as f:
         entries, metadata, data_start = _read_header(f, path)
         verifier = _verifier(path, entries, metadata, verify)

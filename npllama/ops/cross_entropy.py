@@ -10,6 +10,7 @@ log(probability) ever underflows to log(0).
 from typing import NamedTuple
 
 import numpy as np
+from ..errors import NpllamaError
 
 IGNORE_INDEX = -100
 
@@ -41,7 +42,7 @@ def cross_entropy_forward(logits, targets, normalizer=None):
     if normalizer is None:
         normalizer = int(valid.sum())
         if normalizer == 0:
-            raise ValueError("every target is -100 (ignored): the mean cross-entropy has no terms")
+            raise NpllamaError("every target is -100 (ignored): the mean cross-entropy has no terms")
     safe_targets = np.where(valid, targets, 0)
     zc = z.astype(np.result_type(z.dtype, np.float32), copy=False)
     row_max = zc.max(axis=-1, keepdims=True)

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..checks import check_int, check_real, is_integer, is_real
-from ..errors import NpllamaError
+from ..errors import MissingFileError, NpllamaError
 from ..io import load
 from ..io.errors import CheckpointError
 from ..io.lora import read_adapted
@@ -82,7 +82,7 @@ def save_train_checkpoint(path, model: Llama, tokenizer, optimizer: AdamW, state
     metadata = {**model_metadata(model.config, tokenizer), TRAIN_STATE_KEY: json.dumps(full_state, sort_keys=True)}
     if isinstance(model, LoraLlama):      # adapters only: name the base they adapt
         if model.base_path is None:
-            raise ValueError("a LoRA checkpoint must name its base file; set model.base_path and model.base_sha256")
+            raise NpllamaError("a LoRA checkpoint must name its base file; set model.base_path and model.base_sha256")
         metadata.update(lora_metadata(model.spec, model.base_path, model.base_sha256))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_safetensors_atomic(path, tensors, metadata)
@@ -139,7 +139,7 @@ def _check_state_fields(state: dict) -> None:
 
 def _require_file(path: Path) -> None:
     if not path.is_file():
-        raise FileNotFoundError(f"no training checkpoint at {path}; start without --resume, "
+        raise MissingFileError(f"no training checkpoint at {path}; start without --resume, "
                                 "or pass the --out-dir of an earlier run")
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 from ..checks import check_int, check_real, dataclass_from_dict, is_real
 from ..config import LlamaConfig
 from ..lora import LoraSpec
+from ..errors import NpllamaError
 
 def _f(help_text: str, **kw):
     return field(metadata={"help": help_text, **kw.pop("meta", {})}, **kw)
@@ -111,7 +112,7 @@ class TrainConfig:
             check_real(flag(name), getattr(self, name), 0.0)
         check_real("--lr", self.lr, 0.0, low_open=True)
         if self.min_lr > self.lr:
-            raise ValueError(f"--min-lr={self.min_lr!r} is above --lr={self.lr}; the cosine decays from --lr "
+            raise NpllamaError(f"--min-lr={self.min_lr!r} is above --lr={self.lr}; the cosine decays from --lr "
                              "down to --min-lr")
         for name in ("beta1", "beta2"):
             check_real(flag(name), getattr(self, name), 0.0, 1.0, high_open=True)
@@ -119,31 +120,31 @@ class TrainConfig:
         for name in ("tokenizer", "dtype"):
             choices = self.__dataclass_fields__[name].metadata["choices"]
             if getattr(self, name) not in choices:
-                raise ValueError(f"{flag(name)}={getattr(self, name)!r} must be one of {list(choices)}")
+                raise NpllamaError(f"{flag(name)}={getattr(self, name)!r} must be one of {list(choices)}")
         if self.max_seq_len and self.max_seq_len < self.seq_len:
-            raise ValueError(f"--max-seq-len={self.max_seq_len} is shorter than --seq-len={self.seq_len}; "
+            raise NpllamaError(f"--max-seq-len={self.max_seq_len} is shorter than --seq-len={self.seq_len}; "
                              "the model must fit a training window")
         if self.max_steps == 0 and self.time_budget == 0:
-            raise ValueError("--max-steps is 0 and there is no --time-budget; give one of them so the run can end")
+            raise NpllamaError("--max-steps is 0 and there is no --time-budget; give one of them so the run can end")
         if not isinstance(self.out_dir, str) or not self.out_dir:
-            raise ValueError(f"--out-dir={self.out_dir!r} must name a folder")
+            raise NpllamaError(f"--out-dir={self.out_dir!r} must name a folder")
         if self.export is not None and export_format(self.export) is None:
-            raise ValueError(f"--export={self.export!r} must be a path ending in .safetensors (one file) "
+            raise NpllamaError(f"--export={self.export!r} must be a path ending in .safetensors (one file) "
                              "or a folder without a suffix (Hugging Face)")
         if not isinstance(self.data, (str, type(None))):
-            raise ValueError(f"--data={self.data!r} must be a path")
+            raise NpllamaError(f"--data={self.data!r} must be a path")
         for name in ("tie_embeddings", "resume", "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{flag(name)}={getattr(self, name)!r} must be True or False")
+                raise NpllamaError(f"{flag(name)}={getattr(self, name)!r} must be True or False")
         for name in ("init", "init_tokenizer"):
             if not isinstance(getattr(self, name), (str, type(None))):
-                raise ValueError(f"{flag(name)}={getattr(self, name)!r} must be a path")
+                raise NpllamaError(f"{flag(name)}={getattr(self, name)!r} must be a path")
         check_real("--lora-alpha", self.lora_alpha, 0.0, low_open=True)
         self.lora_spec()                           # checks --lora-targets
         if self.init is None:
             for name in ("init_tokenizer", "lora_rank"):
                 if getattr(self, name):
-                    raise ValueError(f"{flag(name)} needs --init PATH: it applies to a model loaded from a checkpoint "
+                    raise NpllamaError(f"{flag(name)} needs --init PATH: it applies to a model loaded from a checkpoint "
                                      "(LoRA adapts trained weights)")
 
     def lora_spec(self) -> LoraSpec:
@@ -151,7 +152,7 @@ class TrainConfig:
         try:
             return LoraSpec(rank=self.lora_rank, alpha=self.lora_alpha, targets=self.lora_targets)
         except ValueError as e:
-            raise ValueError(f"--lora-rank / --lora-alpha / --lora-targets: {e}") from None
+            raise NpllamaError(f"--lora-rank / --lora-alpha / --lora-targets: {e}") from None
 
     def model_config(self, vocab_size: int) -> LlamaConfig:
         return LlamaConfig(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
@@ -224,7 +225,7 @@ PRESETS: dict[str, Callable[[], TrainConfig]] = {
 
 def preset(name: str) -> TrainConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise NpllamaError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]()
 
 
@@ -237,7 +238,7 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, source) -> None:
     changed = [f"--{n.replace('_', '-')} {getattr(saved, n)!r} -> {getattr(cfg, n)!r}"
                for n in STRUCTURAL_FIELDS if getattr(cfg, n) != getattr(saved, n)]
     if changed:
-        raise ValueError(f"--resume cannot change what defines the model and data of {source} "
+        raise NpllamaError(f"--resume cannot change what defines the model and data of {source} "
                          f"({'; '.join(changed)}); drop those flags, or train a new model in another --out-dir")
 
 
@@ -251,8 +252,8 @@ def parse_duration(text) -> float:
         try:
             value = float(s[:-1] if scale else s) * (scale or 1.0)
         except ValueError:
-            raise ValueError(f"time {text!r} is not a duration; write seconds or a number with s, m or h "
+            raise NpllamaError(f"time {text!r} is not a duration; write seconds or a number with s, m or h "
                              "(90, 90s, 5m, 1.5h)") from None
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"time {text!r} must be a finite duration >= 0")
+        raise NpllamaError(f"time {text!r} must be a finite duration >= 0")
     return value

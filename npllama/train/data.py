@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from ..checks import check_int, check_real
-from ..errors import NpllamaError
+from ..errors import MissingFileError, NpllamaError
 from ..io.atomic import write_atomic
 from ..io.integrity import sha256_file
 from ..tokenizers import CharTokenizer, train_sentencepiece
@@ -105,7 +105,7 @@ def find_text(path: str | os.PathLike | None = None, download_ok: bool = True) -
         if p.is_dir():
             p = p / TINYSHAKESPEARE_FILE
         if not p.is_file():
-            raise FileNotFoundError(f"training text {p} does not exist; pass a UTF-8 text file with --data PATH")
+            raise MissingFileError(f"training text {p} does not exist; pass a UTF-8 text file with --data PATH")
         return p
     looked = []
     data_dir = os.environ.get(DATA_DIR_VAR)
@@ -126,7 +126,7 @@ def find_text(path: str | os.PathLike | None = None, download_ok: bool = True) -
             return download(TINYSHAKESPEARE_URL, cached, TINYSHAKESPEARE_SHA256)
         except (urllib.error.URLError, OSError) as e:
             looked.append(f"{TINYSHAKESPEARE_URL} ({e})")
-    raise FileNotFoundError(
+    raise MissingFileError(
         "TinyShakespeare not found; looked at: " + "; ".join(looked) +
         f". Download {TINYSHAKESPEARE_URL} and pass --data PATH, or put it in ${DATA_DIR_VAR}/{TINYSHAKESPEARE_FILE}")
 
@@ -137,9 +137,9 @@ def load_text(path: str | os.PathLike | None = None, download_ok: bool = True) -
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{p} is not UTF-8 text ({e}); pass a UTF-8 text file with --data PATH") from None
+        raise NpllamaError(f"{p} is not UTF-8 text ({e}); pass a UTF-8 text file with --data PATH") from None
     if not text:
-        raise ValueError(f"{p} is empty; pass a text file with something to learn")
+        raise NpllamaError(f"{p} is empty; pass a text file with something to learn")
     return text
 
 
@@ -176,11 +176,11 @@ def get_batch(ids: np.ndarray, batch_size: int, seq_len: int,
     """
     ids = np.asarray(ids)
     if ids.ndim != 1:
-        raise ValueError(f"ids must be a 1-D array of token ids, got shape {ids.shape}")
+        raise NpllamaError(f"ids must be a 1-D array of token ids, got shape {ids.shape}")
     check_int("batch_size", batch_size, 1)
     check_int("seq_len", seq_len, 1)
     if len(ids) <= seq_len:
-        raise ValueError(f"{len(ids)} tokens cannot give a window of seq_len={seq_len} plus its target; "
+        raise NpllamaError(f"{len(ids)} tokens cannot give a window of seq_len={seq_len} plus its target; "
                          "use a shorter --seq-len or more text")
     starts = rng.integers(0, len(ids) - seq_len, size=batch_size)
     idx = starts[:, None] + np.arange(seq_len + 1)            # (B,) -> (B, T + 1)
@@ -216,7 +216,7 @@ def prepare_data(cfg: TrainConfig, tokenizer=None, log: Callable[[str], None] = 
         if cfg.tokenizer == "char":
             tokenizer = CharTokenizer.from_text(text)
             if cfg.vocab_size and cfg.vocab_size != tokenizer.vocab_size:
-                raise ValueError(f"--vocab-size={cfg.vocab_size} but the text has {tokenizer.vocab_size} distinct "
+                raise NpllamaError(f"--vocab-size={cfg.vocab_size} but the text has {tokenizer.vocab_size} distinct "
                                  "characters; --vocab-size applies to --tokenizer bpe only (leave it at 0)")
         else:
             vocab_size = cfg.vocab_size or 1024
@@ -228,6 +228,6 @@ def prepare_data(cfg: TrainConfig, tokenizer=None, log: Callable[[str], None] = 
     val_ids = np.asarray(tokenizer.encode(val_text), dtype=np.int32)
     for name, ids in (("training", train_ids), ("validation", val_ids)):
         if len(ids) <= cfg.seq_len:
-            raise ValueError(f"the {name} split has {len(ids)} tokens, not enough for one window of --seq-len="
+            raise NpllamaError(f"the {name} split has {len(ids)} tokens, not enough for one window of --seq-len="
                              f"{cfg.seq_len}; use more text, a shorter --seq-len or another --train-fraction")
     return Corpus(path, sha, tokenizer, train_ids, val_ids)

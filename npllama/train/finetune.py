@@ -27,6 +27,7 @@ from ..io.lora import fingerprint
 from ..llama import Llama, LoraLlama
 from ..tokenizers import CharTokenizer, SentencePieceTokenizer
 from .config import ARCHITECTURE_FIELDS, TrainConfig
+from ..errors import NpllamaError
 
 
 def architecture_of(model: Llama) -> dict:
@@ -43,10 +44,10 @@ def _load_init(cfg: TrainConfig) -> Llama:
     if cfg.init_tokenizer:
         model.tokenizer = SentencePieceTokenizer.from_file(cfg.init_tokenizer)
     if model.tokenizer is None:
-        raise ValueError(f"--init {cfg.init} carries no tokenizer (a llama2.c .bin has none); give its "
+        raise NpllamaError(f"--init {cfg.init} carries no tokenizer (a llama2.c .bin has none); give its "
                          "sentencepiece model with --init-tokenizer PATH (stories260K.bin pairs with tok512.model)")
     if model.tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but {cfg.init} only "
+        raise NpllamaError(f"the tokenizer has {model.tokenizer.vocab_size} tokens but {cfg.init} only "
                          f"{model.config.vocab_size}: they do not belong together; pass the model's own "
                          "tokenizer with --init-tokenizer")
     return model
@@ -63,11 +64,11 @@ def init_model(cfg: TrainConfig, explicit=()) -> tuple[Llama | LoraLlama, TrainC
     differ = [f"--{n.replace('_', '-')} {getattr(cfg, n)!r} (the checkpoint has {architecture[n]!r})"
               for n in ARCHITECTURE_FIELDS if n in explicit and getattr(cfg, n) != architecture[n]]
     if differ:
-        raise ValueError(f"--init {cfg.init} fixes the model and its tokenizer, which these flags would change: "
+        raise NpllamaError(f"--init {cfg.init} fixes the model and its tokenizer, which these flags would change: "
                          f"{'; '.join(differ)}; leave them out to fine-tune the model as it is")
     cfg = cfg.replace(**architecture)
     if cfg.seq_len > cfg.max_seq_len:
-        raise ValueError(f"--seq-len {cfg.seq_len} is longer than the context of {cfg.init} "
+        raise NpllamaError(f"--seq-len {cfg.seq_len} is longer than the context of {cfg.init} "
                          f"(max_seq_len {cfg.max_seq_len}); use --seq-len {cfg.max_seq_len} or less")
     spec = cfg.lora_spec()
     if spec.rank == 0:

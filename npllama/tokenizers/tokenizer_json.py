@@ -83,7 +83,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import NpllamaError
+from ..errors import MissingFileError, NpllamaError
 
 
 class TokenizerJSONError(NpllamaError):
@@ -347,7 +347,7 @@ def _utf8(c: str) -> bytes:
     try:
         return c.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"the text holds a lone surrogate {c!r}, which is not Unicode text") from None
+        raise NpllamaError(f"the text holds a lone surrogate {c!r}, which is not Unicode text") from None
 
 
 class _BPE:
@@ -764,7 +764,7 @@ class _HFTokenizerBase:
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         if not isinstance(text, str):
-            raise ValueError(f"encode needs a str, got {type(text).__name__}")
+            raise NpllamaError(f"encode needs a str, got {type(text).__name__}")
         return with_bos_eos(self._encode(text), self, bos, eos, "this tokenizer.json")
 
     def hf_files(self) -> dict[str, str]:
@@ -873,7 +873,7 @@ class HFTokenizer(_HFTokenizerBase):
         if token is None:
             token = self._bpe.id_to_token.get(token_id)
             if token is None:
-                raise ValueError(f"token id {token_id} is not in this tokenizer.json (its vocabulary has gaps)")
+                raise NpllamaError(f"token id {token_id} is not in this tokenizer.json (its vocabulary has gaps)")
         return None if token in self._added.special else token
 
     def decode(self, ids) -> str:
@@ -888,9 +888,9 @@ def _check_id(token_id, vocab_size: int) -> int:
     try:
         i = int(token_id)
     except (TypeError, ValueError):
-        raise ValueError(f"token id {token_id!r} is not an integer") from None
+        raise NpllamaError(f"token id {token_id!r} is not an integer") from None
     if not 0 <= i < vocab_size:
-        raise ValueError(f"token id {i} is outside [0, {vocab_size}) for this tokenizer.json")
+        raise NpllamaError(f"token id {i} is outside [0, {vocab_size}) for this tokenizer.json")
     return i
 
 
@@ -961,7 +961,7 @@ class LibraryHFTokenizer(_HFTokenizerBase):
         ids = [_check_id(i, self.vocab_size) for i in ids]
         missing = [i for i in ids if self._tok.id_to_token(i) is None]
         if missing:
-            raise ValueError(f"token ids {missing[:10]} are not in this tokenizer.json (its vocabulary has gaps)")
+            raise NpllamaError(f"token ids {missing[:10]} are not in this tokenizer.json (its vocabulary has gaps)")
         return ids
 
     def decode(self, ids) -> str:
@@ -1032,7 +1032,7 @@ def _read_folder(folder) -> tuple[str, str | None]:
     folder = Path(os.fspath(folder))
     path = folder / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; a Hugging Face tokenizer folder holds tokenizer.json "
+        raise MissingFileError(f"{path} not found; a Hugging Face tokenizer folder holds tokenizer.json "
                                 "(transformers' save_pretrained writes it)")
     config = folder / "tokenizer_config.json"
     try:

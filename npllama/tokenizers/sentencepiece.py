@@ -1,23 +1,8 @@
-"""Tokenizers: text <-> token ids, behind one small API.
-
-Two kinds, both with
-    .vocab_size, .bos_id, .eos_id (None when the tokenizer has none)
-    .encode(text, bos=False, eos=False) -> list[int]
-    .decode(ids) -> str
-    .stream_decoder() -> an object whose .push(id) -> str returns the text that id completes
-    .to_json() -> str, read back by tokenizer_from_json(text)
-
-CharTokenizer      one id per character, ids in sorted character order (nanoGPT's
-                   shakespeare_char prepare.py: chars = sorted(set(text))). No BOS/EOS.
-SentencePieceTokenizer
-                   a sentencepiece model (Llama 2's tokenizer.model, or one made by
-                   train_sentencepiece). Encoding and full decoding are sentencepiece's own;
-                   the stream decoder reproduces sentencepiece's decoding rules one id at a
-                   time (see _SentencePieceStream) so streamed text equals decode(ids).
-
-The JSON form embeds a sentencepiece model as base64 so a checkpoint's safetensors metadata
-(a str -> str map) can carry its tokenizer.
-"""
+"""SentencePieceTokenizer: a sentencepiece model (Llama 2's tokenizer.model, or one made by
+train_sentencepiece). Encoding and full decoding are sentencepiece's own; the stream decoder
+reproduces sentencepiece's decoding rules one id at a time (see _SentencePieceStream) so
+streamed text equals decode(ids). Its JSON form embeds the model as base64, so a checkpoint's
+safetensors metadata (a str -> str map) can carry it."""
 
 from __future__ import annotations
 
@@ -30,79 +15,9 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from .checks import check_int
-from .errors import NpllamaError
-from .tokenizer_json import from_json_dict, hf_tokenizer, tokenizer_from_folder, with_bos_eos
-
-
-class CharTokenizer:
-    """Characters as tokens: id i is the i-th character of `chars` (sorted, distinct)."""
-
-    bos_id = None
-    eos_id = None
-
-    def __init__(self, chars: str):
-        if not isinstance(chars, str) or not chars:
-            raise NpllamaError("CharTokenizer needs a non-empty string of distinct characters, "
-                               f"got {chars!r}; build one from text with CharTokenizer.from_text(text)")
-        if len(set(chars)) != len(chars):
-            repeated = sorted({c for c in chars if chars.count(c) > 1})
-            raise NpllamaError(f"CharTokenizer characters must be distinct; repeated: {repeated!r}")
-        self.chars = chars
-        self._stoi = {c: i for i, c in enumerate(chars)}
-
-    @classmethod
-    def from_text(cls, text: str) -> "CharTokenizer":
-        """The vocabulary of `text`: its distinct characters in sorted (code point) order."""
-        if not isinstance(text, str) or not text:
-            raise NpllamaError("CharTokenizer.from_text needs non-empty text")
-        return cls("".join(sorted(set(text))))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
-
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        if bos or eos:
-            raise NpllamaError("a CharTokenizer has no BOS/EOS tokens; call encode(text) without bos/eos")
-        try:
-            return [self._stoi[c] for c in text]
-        except KeyError:
-            unknown = sorted(set(text) - set(self._stoi))
-            raise NpllamaError(
-                f"text has {len(unknown)} character(s) outside this tokenizer's vocabulary: "
-                f"{''.join(unknown)!r} (codes {[hex(ord(c)) for c in unknown[:10]]}); "
-                f"the vocabulary is {self.chars!r}") from None
-
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < len(self.chars)]
-        if bad:
-            raise NpllamaError(f"token ids {bad[:10]} are outside [0, {len(self.chars)}) for this CharTokenizer")
-        return "".join(self.chars[i] for i in ids)
-
-    def stream_decoder(self) -> "_CharStream":
-        return _CharStream(self)
-
-    def to_json(self) -> str:
-        return json.dumps({"type": "char", "chars": self.chars})
-
-    def __eq__(self, other):
-        return isinstance(other, CharTokenizer) and other.chars == self.chars
-
-    def __repr__(self):
-        return f"CharTokenizer(vocab_size={self.vocab_size})"
-
-
-class _CharStream:
-    def __init__(self, tokenizer: CharTokenizer):
-        self._tokenizer = tokenizer
-
-    def push(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id])
-
-    def flush(self) -> str:
-        return ""
+from ..checks import check_int
+from ..errors import MissingFileError, NpllamaError
+from .tokenizer_json import with_bos_eos
 
 
 class SentencePieceTokenizer:
@@ -136,7 +51,7 @@ class SentencePieceTokenizer:
     def from_file(cls, path) -> "SentencePieceTokenizer":
         path = Path(os.fspath(path))
         if not path.is_file():
-            raise FileNotFoundError(f"sentencepiece model {str(path)!r} not found; pass the path of a "
+            raise MissingFileError(f"sentencepiece model {str(path)!r} not found; pass the path of a "
                                     "tokenizer.model file (for Llama 2: the tokenizer.model beside its weights)")
         return cls(path.read_bytes())
 
@@ -295,47 +210,3 @@ def train_sentencepiece(text: str, vocab_size: int, seed: int = 0) -> SentencePi
         raise NpllamaError(f"sentencepiece could not train a {vocab_size}-token model on this text: {e}; "
                            "a smaller vocab_size or more text usually fixes it") from None
     return SentencePieceTokenizer(model.getvalue())
-
-
-def tokenizer_from_json(text: str):
-    """Rebuild a tokenizer from its to_json() text (as stored in checkpoint metadata)."""
-    try:
-        d = json.loads(text)
-    except (TypeError, json.JSONDecodeError) as e:
-        raise NpllamaError(f"tokenizer JSON is not valid JSON: {e}") from None
-    kind = d.get("type") if isinstance(d, dict) else None
-    if kind == "char" and isinstance(d.get("chars"), str):
-        return CharTokenizer(d["chars"])
-    if kind == "sentencepiece" and isinstance(d.get("model_proto_base64"), str):
-        try:
-            proto = base64.b64decode(d["model_proto_base64"], validate=True)
-        except ValueError as e:
-            raise NpllamaError(f"tokenizer JSON holds a corrupt base64 sentencepiece model: {e}") from None
-        return SentencePieceTokenizer(proto)
-    if kind == "hf_tokenizer_json":
-        return from_json_dict(d)
-    raise NpllamaError('tokenizer JSON must be {"type": "char", "chars": ...}, '
-                       '{"type": "sentencepiece", "model_proto_base64": ...} or '
-                       '{"type": "hf_tokenizer_json", "tokenizer_json": ...}; got '
-                       f"{(text[:80] + '...') if len(text) > 80 else text!r}")
-
-
-def tokenizer_from_file(path):
-    """The tokenizer stored at path: a sentencepiece .model file, a Hugging Face tokenizer.json
-    (its tokenizer_config.json beside it is read too), or a folder holding either."""
-    path = Path(os.fspath(path))
-    if path.is_dir():
-        if (path / "tokenizer.model").is_file():
-            return SentencePieceTokenizer.from_file(path / "tokenizer.model")
-        tokenizer, problem = tokenizer_from_folder(path)
-        if tokenizer is None:
-            raise ValueError(problem or f"{path} holds no tokenizer.model or tokenizer.json")
-        return tokenizer
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenizer {str(path)!r} not found; pass a sentencepiece .model file, a "
-                                "Hugging Face tokenizer.json, or a folder holding one")
-    if path.suffix == ".json":
-        config = path.parent / "tokenizer_config.json"
-        return hf_tokenizer(path.read_text(encoding="utf-8"),
-                            config.read_text(encoding="utf-8") if config.is_file() else None)
-    return SentencePieceTokenizer.from_file(path)
