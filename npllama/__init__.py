@@ -4,13 +4,15 @@ The public surface (see CONTRACT.md): LlamaConfig, Llama, load, save, AdamW, cli
 NpllamaError, the ValueError every error npllama raises on purpose derives from.
 
 Layers, each importing only from those before it (tests/test_layout.py checks it):
-    errors, checks, storage,        the error family, argument checks, the dtypes weights are held in,
+    errors, checks, storage         the error family, argument checks, the dtypes weights are held in
     config, memory                  the blueprint, memory estimates
-    tokenizer_json, tokenizers      text <-> ids
+    tokenizers                      text <-> ids (char, sentencepiece, tokenizer.json)
     ops, kvcache, model, lora       the reference math: pure functions a reader reads
     optim, sampling, gradcheck      AdamW and clipping, choosing tokens, numerical gradients
-    engine                          speed only, tested equal to the reference
-    generate, llama                 decoding loops; the public Llama object
+    backend                         the seam: what a model hands its arithmetic to, and the
+                                    reference's side of it (the math above, nothing else)
+    engine                          the fast side of the seam, tested equal to the reference
+    generate, llama                 the decoding loop; the public Llama object
     io                              file formats: load and save
     train                           the training loop and its files
     cli                             the command line

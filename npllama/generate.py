@@ -11,11 +11,14 @@ values of every layer; each later step feeds only the newest token at start_pos 
 RoPE rotates q and k by their absolute positions and attention is causal, this gives the same
 logits as running the full sequence again (tests/test_generate.py checks it to 1e-10 in float64).
 
-The decode step itself is npllama.engine.DecodeStep: the same arithmetic as the model's forward
-with T = 1, rearranged into fewer, larger NumPy calls for small models, where the cost of a step
-is the number of calls, and reading the weights in place for large ones, where it is the bytes
-of weights read. Prompts of different lengths are batched by
-left-padding them to one length and masking the padded keys.
+The prefill and the steps are the model's backend's Decoder (npllama/backend.py): on the
+reference, model.forward with a KVCache; on the engine, the same arithmetic fused
+(npllama.engine.decode). Prompts of different lengths are batched by left-padding them to one
+length and masking the padded keys.
+
+Only the positions fed to the model count against max_seq_len: the last new token is sampled
+from the logits at the final position and never fed back, as llama2.c's run.c does, so a prompt
+of n tokens may ask for max_seq_len - n + 1 new tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .checks import check_int, is_integer
-from .engine import DecodeStep, inference
 from .sampling import check_sampling_args, choose_next
 from .errors import NpllamaError
 
@@ -70,29 +72,22 @@ def _check_stop_ids(model, stop_ids) -> frozenset:
     return frozenset(ids)
 
 
-def _check_length(model, prompt_len, max_new_tokens, sliding_window, fill_context):
-    """The cache holds max_seq_len positions. Every new token but the last is fed back, so
-    prompt_len + max_new_tokens - 1 positions are computed: fill_context=True admits up to
-    max_seq_len - prompt_len + 1 new tokens, the last one sampled from the logits at the final
-    position and never fed back (llama2.c's run.c); by default the sum stays within max_seq_len."""
+def _check_length(model, prompt_len, max_new_tokens, sliding_window):
+    """Every new token but the last is fed back, so prompt_len + max_new_tokens - 1 positions are
+    computed: they must fit in the cache's max_seq_len (unless the window slides)."""
     max_seq_len = model.config.max_seq_len
-    limit = max_seq_len + 1 if fill_context else max_seq_len
-    if not sliding_window and prompt_len > max_seq_len:
+    if sliding_window:
+        return
+    if prompt_len > max_seq_len:
         raise NpllamaError(f"prompt of {prompt_len} tokens is longer than the model's max_seq_len={max_seq_len}; "
-                         "shorten it, or pass sliding_window=True (npllama generate --sliding-window) to keep "
-                         "its newest max_seq_len tokens")
-    if not sliding_window and prompt_len + max_new_tokens > limit:
-        room = max(0, limit - prompt_len)
-        hint = ("" if fill_context else
-                f"pass fill_context=True for one more token (up to max_seq_len - {prompt_len} + 1 = "
-                f"{max_seq_len - prompt_len + 1}, the last sampled at the final position and never fed back), ")
-        bound = f"the model's max_seq_len={max_seq_len}" + (
-            f" + 1 = {limit} (the last new token is never fed back, so it needs no position)" if fill_context else "")
+                           "shorten it, or pass sliding_window=True (npllama generate --sliding-window) to keep "
+                           "its newest max_seq_len tokens")
+    if prompt_len + max_new_tokens - 1 > max_seq_len:
         raise NpllamaError(
-            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = "
-            f"{prompt_len + max_new_tokens} passes {bound}: at most {room} new tokens fit; "
-            f"shorten the prompt, lower max_new_tokens, {hint}or pass sliding_window=True "
-            "(npllama generate --sliding-window) to drop the oldest tokens as it goes")
+            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} needs {prompt_len + max_new_tokens - 1} "
+            f"positions (the last new token is never fed back), more than the model's max_seq_len={max_seq_len}: "
+            f"at most {max_seq_len - prompt_len + 1} new tokens fit; shorten the prompt, lower max_new_tokens, "
+            "or pass sliding_window=True (npllama generate --sliding-window) to drop the oldest tokens as it goes")
 
 
 def _rngs(seed, batch_size, temperature):
@@ -110,82 +105,81 @@ def _rngs(seed, batch_size, temperature):
 
 # ----------------------------------------------------------------------------- the decoding loop
 
+def _left_padded(context: list[list[int]], max_seq_len: int):
+    """The rows left-padded to one length P: tokens (B, P), the prefill's mask (B, P, P) and the
+    steps' key_ok (B, max_seq_len), both None when no row is padded.
+
+    Row b's tokens sit at positions shifted by pad_b = P - len(row b); RoPE depends only on the
+    difference of q's and k's positions, and the masks keep padded keys away from every real
+    query, so each row computes what it would alone. A padded query sees itself only (its output
+    is never read, but a row with no allowed key would be 0/0 in the softmax).
+    """
+    B, P = len(context), max(len(c) for c in context)
+    pads = np.array([P - len(c) for c in context])
+    tokens = np.full((B, P), PAD_ID, dtype=np.int64)
+    for b, c in enumerate(context):
+        tokens[b, pads[b]:] = c
+    if not pads.any():
+        return tokens, None, None
+    s = np.arange(P)
+    real = s[None, :] >= pads[:, None]                                  # (B, P): key s of row b is real
+    mask = (s[None, None, :] <= s[None, :, None]) & (real[:, None, :] | (s[None, None, :] == s[None, :, None]))
+    key_ok = np.ones((B, max_seq_len), dtype=bool)
+    key_ok[:, :P] = real
+    return tokens, mask, key_ok
+
+
 def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, top_k, top_p, min_p,
             repetition_penalty, rngs, stop: frozenset, sliding_window: bool) -> Iterator[np.ndarray]:
-    """Yield the ids sampled for all rows at each step (B,); -1 marks a row that has stopped.
-
-    Rows are left-padded to the longest prompt, so row b's tokens sit at positions shifted by
-    pad_b = P - len(prompt_b); RoPE depends only on q and k positions' difference, and the mask
-    keeps padded keys out of every real query, so each row computes what it would alone.
-    """
+    """Yield the ids sampled for all rows at each step (B,); -1 marks a row that has stopped."""
     cfg = model.config
-    B = len(prompts)
-    V = cfg.vocab_size
-    step = DecodeStep(model.params, cfg, model.rope, B)
-    kv = model.new_kv_cache(B)
+    B, V = len(prompts), cfg.vocab_size
     penalise = repetition_penalty is not None and repetition_penalty != 1.0
     seen = np.zeros((B, V), dtype=bool) if penalise else None
     context = [list(p) for p in prompts]        # the tokens in the cache, for a sliding-window refill
     if seen is not None:
         for b, p in enumerate(prompts):
             seen[b, p] = True
-
-    def prefill():
-        """Run the whole context of every row through the engine's inference pass (engine.inference.forward)
-        into the cache; return the last logits (B, V)."""
-        P = max(len(c) for c in context)
-        pads = np.array([P - len(c) for c in context])
-        tokens = np.full((B, P), PAD_ID, dtype=np.int64)
-        for b, c in enumerate(context):
-            tokens[b, pads[b]:] = c
-        if pads.any():
-            s = np.arange(P)
-            # query t may see key s if s <= t and s is real; a padded query sees itself only (its
-            # output is never read, but a row with no allowed key would be 0/0 in the softmax)
-            mask = (s[None, None, :] <= s[None, :, None]) & (
-                (s[None, None, :] >= pads[:, None, None]) | (s[None, None, :] == s[None, :, None]))
-            # for the decode steps: -inf on each row's padded keys, (B, 1, 1, max_seq_len)
-            key_bias = np.zeros((B, 1, 1, cfg.max_seq_len), dtype=model.dtype)
-            key_bias[..., :P] = np.where(s >= pads[:, None], 0.0, -np.inf)[:, None, None, :]
-        else:
-            mask, key_bias = None, None
-        # model.forward's arithmetic, keeping no activations and computing the last position's logits only
-        logits = inference.forward(model.params, cfg, model.rope, tokens, kv_cache=kv, mask=mask, last_only=True)
-        kv.length = P
-        return logits, P, key_bias
-
     if max_new_tokens == 0:
         return
-    logits, pos, key_bias = prefill()
-    done = np.zeros(B, dtype=bool)
-    for i in range(max_new_tokens):
-        if np.isnan(np.maximum.reduce(logits, axis=None)):
-            raise NpllamaError("the model produced NaN logits; check the weights (a diverged checkpoint?)")
-        ids = choose_next(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen, rngs)
-        finished = np.array([int(t) in stop for t in ids]) if stop else np.zeros(B, dtype=bool)
-        ids_out = np.where(done | finished, -1, ids)
-        done |= finished
-        yield ids_out
-        if done.all() or i + 1 == max_new_tokens:
-            return      # the last token is never fed back (with fill_context the cache is full by now)
-        if seen is not None:
-            seen[np.arange(B), ids] = True
-        if sliding_window:
-            for b in range(B):
-                context[b].append(int(ids[b]))
-        if pos == cfg.max_seq_len:
-            # sliding window: keep the newest half of every row's context and prefill it afresh
-            # from position 0 (cached keys carry their old absolute rotations: no shifting them)
-            keep = max(1, cfg.max_seq_len // 2)
-            context = [c[-keep:] for c in context]
-            logits, pos, key_bias = prefill()
-            continue
-        logits = step(ids, pos, kv, None if key_bias is None else key_bias[..., :pos + 1])
-        pos += 1
+    decoder = model.new_decoder(B)
+    try:
+        tokens, mask, key_ok = _left_padded(context, cfg.max_seq_len)
+        logits, pos = decoder.prefill(tokens, mask), tokens.shape[1]
+        done = np.zeros(B, dtype=bool)
+        for i in range(max_new_tokens):
+            if np.isnan(np.maximum.reduce(logits, axis=None)):
+                raise NpllamaError("the model produced NaN logits; check the weights (a diverged checkpoint?)")
+            ids = choose_next(logits, temperature, top_k, top_p, min_p, repetition_penalty, seen, rngs)
+            finished = np.array([int(t) in stop for t in ids]) if stop else np.zeros(B, dtype=bool)
+            ids_out = np.where(done | finished, -1, ids)
+            done |= finished
+            yield ids_out
+            if done.all() or i + 1 == max_new_tokens:
+                return                          # the last token is never fed back
+            if seen is not None:
+                seen[np.arange(B), ids] = True
+            if sliding_window:
+                for b in range(B):
+                    context[b].append(int(ids[b]))
+            if pos == cfg.max_seq_len:
+                # sliding window: keep the newest half of every row's context and prefill it afresh
+                # from position 0 (cached keys carry their old absolute rotations: no shifting them)
+                keep = max(1, cfg.max_seq_len // 2)
+                context = [c[-keep:] for c in context]
+                decoder.close()
+                decoder = model.new_decoder(B)
+                tokens, mask, key_ok = _left_padded(context, cfg.max_seq_len)
+                logits, pos = decoder.prefill(tokens, mask), tokens.shape[1]
+                continue
+            logits = decoder.step(ids, pos, None if key_ok is None else key_ok[:, :pos + 1])
+            pos += 1
+    finally:
+        decoder.close()
 
 
 def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-             seed, stop_ids, sliding_window, fill_context):
+             seed, stop_ids, sliding_window):
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
     check_sampling_args(temperature, top_k, top_p, min_p, repetition_penalty)
     stop = _check_stop_ids(model, stop_ids)
@@ -193,7 +187,7 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, r
         # an over-long prompt keeps its newest max_seq_len tokens
         prompts = [p[-model.config.max_seq_len:] for p in prompts]
     for p in prompts:
-        _check_length(model, len(p), max_new_tokens, sliding_window, fill_context)
+        _check_length(model, len(p), max_new_tokens, sliding_window)
     rngs = _rngs(seed, len(prompts), temperature)
     return _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p,
                    repetition_penalty, rngs, stop, sliding_window)
@@ -202,17 +196,16 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, r
 def generate_stream(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
                     top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                     stop_ids=None, min_p: float | None = None, repetition_penalty: float | None = None,
-                    sliding_window: bool = False, fill_context: bool = False) -> Iterator[int]:
+                    sliding_window: bool = False) -> Iterator[int]:
     """Generator of new token ids (python ints), each yielded as soon as it is sampled.
 
     Arguments as in generate(). Every argument is checked when this is called, before the
     first id is asked for. sliding_window=True lifts the max_seq_len limit: when the cache is
     full, the newest max_seq_len // 2 tokens are prefilled again from position 0.
-    fill_context=True admits max_seq_len - len(prompt_ids) + 1 new tokens (see generate).
     """
     prompt = _check_prompt(model, prompt_ids)
     steps = _prepare(model, [prompt], max_new_tokens, temperature, top_k, top_p, min_p,
-                     repetition_penalty, seed, stop_ids, sliding_window, fill_context)
+                     repetition_penalty, seed, stop_ids, sliding_window)
 
     def ids():
         for step_ids in steps:
@@ -225,29 +218,28 @@ def generate_stream(model, prompt_ids, max_new_tokens: int, temperature: float =
 def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
              stop_ids=None, min_p: float | None = None, repetition_penalty: float | None = None,
-             sliding_window: bool = False, fill_context: bool = False) -> np.ndarray:
+             sliding_window: bool = False) -> np.ndarray:
     """The new token ids after prompt_ids, as a 1-D int64 array (the prompt is not included).
 
     prompt_ids: 1-D ints in [0, vocab_size), at least one.
-    max_new_tokens: how many new tokens at most; len(prompt_ids) + max_new_tokens > max_seq_len
-        raises ValueError (unless sliding_window=True, see generate_stream). fill_context=True
-        admits one more, max_seq_len - len(prompt_ids) + 1 in all: the last token is sampled
-        from the logits at the final position and never fed back, as llama2.c's run.c does.
+    max_new_tokens: how many new tokens at most. Only fed positions count: the last new token is
+        sampled from the logits at the final position and never fed back, as llama2.c's run.c
+        does, so len(prompt_ids) + max_new_tokens - 1 > max_seq_len raises ValueError (unless
+        sliding_window=True, see generate_stream), and a 1-token prompt may ask for max_seq_len.
     temperature 0 is greedy argmax; otherwise tokens are drawn after top_k / top_p / min_p /
         repetition_penalty (see npllama.sampling), from np.random.default_rng(seed).
     stop_ids: token ids that end generation; the stop id itself is not returned.
     One prefill of the prompt, then one token a step through the KV cache.
     """
     return np.fromiter(generate_stream(model, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-                                       seed, stop_ids, min_p, repetition_penalty, sliding_window,
-                                       fill_context),
+                                       seed, stop_ids, min_p, repetition_penalty, sliding_window),
                        dtype=np.int64)
 
 
 def generate_batch(model, prompts: Sequence, max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, top_p: float | None = None, seed=None, stop_ids=None,
                    min_p: float | None = None, repetition_penalty: float | None = None,
-                   sliding_window: bool = False, fill_context: bool = False) -> list[np.ndarray]:
+                   sliding_window: bool = False) -> list[np.ndarray]:
     """generate() for several prompts of any lengths at once: a list of 1-D arrays, one per prompt.
 
     Row b equals generate(model, prompts[b], ..., seed=seed) (greedy: the same ids; sampling:
@@ -261,7 +253,7 @@ def generate_batch(model, prompts: Sequence, max_new_tokens: int, temperature: f
     checked = [_check_prompt(model, p, name=f"prompts[{b}]") for b, p in enumerate(prompts)]
     outs = [[] for _ in checked]
     for step_ids in _prepare(model, checked, max_new_tokens, temperature, top_k, top_p, min_p,
-                             repetition_penalty, seed, stop_ids, sliding_window, fill_context):
+                             repetition_penalty, seed, stop_ids, sliding_window):
         for b, t in enumerate(step_ids):
             if t >= 0:
                 outs[b].append(int(t))

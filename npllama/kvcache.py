@@ -13,7 +13,7 @@ class KVCache:
 
     Positions [0, length) hold valid entries. A forward with start_pos = p appends positions
     p .. p + T - 1 to every layer (append) and attends to 0 .. p + T - 1. The engine keeps a
-    subclass with another storage layout (npllama.engine.decode.DecodeCache); append hides it.
+    subclass with another storage layout (npllama.engine.cache.DecodeCache); append hides it.
     """
 
     def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=np.float32):

@@ -1,64 +1,89 @@
 """Llama: the public model object. Parameters in a flat dict keyed by Meta's names, and methods.
 LoraLlama: a frozen Llama with LoRA adapters, the object a LoRA fine-tuning run trains.
 
-    model = Llama(config, seed=0, dtype=np.float32)
+    model = Llama(config, seed=0, dtype=np.float32, backend="engine")
     logits = model.forward(tokens)                          # (B, T) ints -> (B, T, V)
     loss, grads = model.loss_and_grads(tokens, targets)     # grads keyed and shaped like params
     new_ids = model.generate(prompt_ids, max_new_tokens=32)
 
 The math lives in npllama.model (pure functions, the reference a reader reads). These methods
-check their inputs and run that math through npllama.engine, which is faster and tested equal
-to the reference; npllama.model.forward(model.params, model.config, tokens) gives the same
-logits single-threaded, in the order the reference writes it.
+check their inputs and hand the arithmetic to the model's backend (npllama/backend.py):
+backend="reference" runs the reference itself, single-threaded; backend="engine" (the
+default) runs npllama.engine, which is faster and tested equal to it.
 """
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
-from . import engine, generate as generation, memory
+from . import generate as generation, memory
+from .backend import Decoder, LoraAdapters, ReferenceBackend, check_backend_name
 from .checks import check_dtype, check_int
 from .config import LlamaConfig
-from .engine.layout import FlatLayout, flat_params
-from .engine.lora import freeze_stacked, lora_blocks
-from .engine.recompute import recomputed
+from .engine import EngineBackend
 from .errors import NpllamaError
 from .kvcache import KVCache
 from .lora import LoraSpec, adapter_shapes, check_adapters, init_adapters, merge
-from .model import TokenError, check_tokens, init_params, model_rope_tables
+from .model import TokenError, check_tokens, fill_init_params, model_rope_tables
+from .optim import AdamW
 from .storage import (STORAGE_DTYPES, compute_dtype_of, is_half, nbytes_per_element, storage_dtype_name,
                       storage_name_of, to_storage)
 
+BACKENDS = {"engine": EngineBackend(), "reference": ReferenceBackend()}
+
+
+def backend_named(name: str):
+    """The backend object of that name ("engine" or "reference")."""
+    return BACKENDS[check_backend_name(name)]
+
+
+def checked_pair(tokens, targets, config: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
+    """tokens and targets (B, T) as int64 arrays, or TokenError naming the problem."""
+    tokens = check_tokens(tokens, config)
+    targets = check_tokens(targets, config, name="targets", allow_ignore=True)
+    if targets.shape != tokens.shape:
+        raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
+    return tokens, targets
+
 
 class Llama:
-    """A LLaMA-2 model: config, params (Meta names -> arrays), dtype, and an optional tokenizer.
+    """A LLaMA-2 model: config, params (Meta names -> arrays), dtype, backend, and an optional tokenizer.
 
     dtype is the precision the model computes in (float32 or float64); the weights are held in
     it too, unless loaded at half precision (storage_dtype float16 or bfloat16, see from_params).
+    backend: "engine" (fast, the default) or "reference" (npllama/backend.py).
+    model.params keeps its identity: the arrays in it are the model's for its whole life (an
+    optimizer built on them, or a user holding one, sees every update).
     """
 
-    def __init__(self, config: LlamaConfig, seed: int = 0, dtype=np.float32):
+    def __init__(self, config: LlamaConfig, seed: int = 0, dtype=np.float32, backend: str = "engine"):
         if not isinstance(config, LlamaConfig):
             raise NpllamaError(f"config must be a LlamaConfig, got {type(config).__name__}")
         dtype = check_dtype(dtype)
+        backend = backend_named(backend)
         memory.require(memory.model_bytes(config, dtype.itemsize),
                        f"a {dtype.name} model of {config.n_params():,} parameters",
                        "choose a smaller dim, n_layers, vocab_size or max_seq_len")
-        # the parameters are views of one flat array, which the training engine reads and writes
-        # without copies (engine/layout.py); init_params draws straight into them
-        self._setup(config, init_params(config, seed, dtype, out=flat_params(config, dtype)), dtype)
+        # the engine lays the parameters out as views of one flat array, which its training pass
+        # reads and writes without copies (engine/layout.py); the init draws straight into them
+        params = fill_init_params(backend.new_params(config, dtype), config, seed)
+        self._setup(config, params, dtype, backend)
 
-    def _setup(self, config: LlamaConfig, params: dict, dtype: np.dtype) -> None:
+    def _setup(self, config: LlamaConfig, params: dict, dtype: np.dtype, backend) -> None:
         self.config = config
         self.dtype = dtype
         self.params = params
+        self.backend = backend
         self.tokenizer = None   # set by npllama.load when the checkpoint carries one
         self.rope = model_rope_tables(config, dtype)   # (cos, sin), each (max_seq_len, Dh/2)
-        # True: keep only each block's input and recompute the block in backward (engine/recompute.py)
+        # True: keep only each block's input in the forward and run the block again in backward
+        # (model.loss_and_grads: the same gradients, less memory, about a third more compute)
         self.gradient_checkpointing = False
 
     @classmethod
-    def from_params(cls, config: LlamaConfig, params: dict, dtype=None) -> "Llama":
+    def from_params(cls, config: LlamaConfig, params: dict, dtype=None, backend: str = "engine") -> "Llama":
         """A model holding the given arrays, converted to dtype (default: their own dtype when it is
         one npllama holds, else float32). Arrays already of that dtype are used as they are, not
         copied (a memory-mapped file stays mapped).
@@ -68,6 +93,7 @@ class Llama:
         in float32, one layer at a time (model.dtype is then float32).
         Names and shapes are compared before anything is used; every problem is reported at once.
         """
+        backend = backend_named(backend)
         expected = config.param_shapes()
         missing = [n for n in expected if n not in params]
         unexpected = [n for n in params if n not in expected]
@@ -85,12 +111,19 @@ class Llama:
         compute = compute_dtype_of(storage)
         copies = sum(memory.array_bytes(np.size(params[n]), nbytes_per_element(storage)) for n in expected
                      if not (isinstance(params[n], np.ndarray) and storage_name_of(params[n]) == storage))
+        # arrays in memory are laid out as the backend's new ones (the engine's one flat array, which
+        # its training pass needs); mapped or half-held ones stay where they are
+        relayout = not is_half(storage) and not any(is_mapped(params[n]) for n in expected)
+        if relayout and backend.name == "engine":
+            copies += memory.array_bytes(config.n_params(), compute.itemsize)
         memory.require(copies + memory.rope_bytes(config, compute.itemsize),
                        f"a model held in {storage} with max_seq_len={config.max_seq_len}",
                        "a smaller max_seq_len (npllama.load(..., max_seq_len=N)), or weights held in float16")
-        model = cls.__new__(cls)
         held = {n: np.ascontiguousarray(to_storage(np.asarray(params[n]), storage)) for n in expected}
-        model._setup(config, held, compute)
+        if relayout:
+            held = backend.lay_out(held, config)
+        model = cls.__new__(cls)
+        model._setup(config, held, compute, backend)
         return model
 
     @property
@@ -100,12 +133,22 @@ class Llama:
         return storage_name_of(self.params["tok_embeddings.weight"])
 
     def new_kv_cache(self, batch_size: int = 1) -> KVCache:
-        """An empty cache for batch_size rows, in the layout the engine's decode step reads fastest."""
+        """An empty cache for batch_size rows, in the layout the backend's decode step reads fastest."""
         cfg = self.config
+        self._require_kv(batch_size)
+        return self.backend.new_kv_cache(cfg, batch_size, self.dtype)
+
+    def new_decoder(self, batch_size: int = 1) -> Decoder:
+        """The backend's KV-cached decoder for batch_size rows (backend.Decoder): generate drives it."""
+        self._require_kv(batch_size)
+        return self.backend.decoder(self.params, self.config, self.rope, batch_size)
+
+    def _require_kv(self, batch_size: int) -> None:
+        cfg = self.config
+        check_int("batch_size", batch_size, 1)
         memory.require(memory.kv_cache_bytes(cfg, batch_size, self.dtype.itemsize),
                        f"a KV cache of {batch_size} rows x {cfg.max_seq_len} positions x {cfg.n_layers} layers",
                        "fewer prompts at once, or a smaller max_seq_len")
-        return engine.DecodeCache(cfg.n_layers, batch_size, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, self.dtype)
 
     def forward(self, tokens, kv_cache: KVCache | None = None, start_pos: int = 0, mask=None, workers=None):
         """Logits of every position.
@@ -116,7 +159,8 @@ class Llama:
             0 .. start_pos + T - 1 of it. Without a cache, start_pos must be 0.
         mask: optional booleans (B, T, start_pos + T), True where a query may attend a key
             (left-padded batches); None is causal.
-        workers: threads sharing the batch rows, as in loss_and_grads (without a cache or mask only).
+        workers: threads sharing the batch rows, as in loss_and_grads (the engine's; the reference
+            runs on the calling thread).
         Returns: logits (B, T, V) in the model's dtype.
         """
         one_dim = np.ndim(tokens) == 1
@@ -132,8 +176,8 @@ class Llama:
             if start_pos > kv_cache.length:
                 raise NpllamaError(f"start_pos={start_pos} skips positions: the kv_cache holds only "
                                    f"{kv_cache.length}")
-        logits = engine.forward(self.params, self.config, self.rope, tokens, kv_cache=kv_cache,
-                                start_pos=start_pos, mask=mask, workers=workers)
+        logits = self.backend.forward(self.params, self.config, self.rope, tokens, kv_cache=kv_cache,
+                                      start_pos=start_pos, mask=mask, workers=workers)
         if kv_cache is not None:
             kv_cache.length = start_pos + tokens.shape[1]
         return logits[0] if one_dim else logits
@@ -141,53 +185,40 @@ class Llama:
     def loss_and_grads(self, tokens, targets, workers=None):
         """Mean cross-entropy of the targets (ignoring -100) and its gradient for every parameter.
 
-        tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params;
-            its arrays are views of one new flat array, so a later call never overwrites them).
-        The first call on a loaded model moves its parameters into one flat array (the same values;
-        model.params then holds views of it): arrays taken from model.params before are copies.
-        workers: threads sharing contiguous shards of the batch rows (default: one per CPU core, at
-            most B; one for small steps); see npllama.engine.training. The shards' terms are summed
-            in a fixed order, so a call gives the same bits whatever the threads' timing; the number
-            of shards (and so the rounding) depends on `workers` and the batch's size only.
+        tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params,
+            new arrays every call (on the engine, views of one new flat array)).
+        workers: the engine's threads sharing contiguous shards of the batch rows (default: one per
+            CPU core, at most B; one for small steps); see npllama.engine.passes. The shards' terms
+            are summed in a fixed order, so a call gives the same bits whatever the threads'
+            timing; the number of shards (and so the rounding) depends on `workers` and the
+            batch's size only.
         """
         if is_half(self.storage_dtype):
             raise NpllamaError(f"this model holds its weights in {self.storage_dtype}, which npllama keeps for "
                                "inference only (forward and generate compute in float32); training needs float32 "
                                "or float64 weights: load them with npllama.load(path, dtype=np.float32)")
-        tokens = check_tokens(tokens, self.config)
-        targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
-        if targets.shape != tokens.shape:
-            raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
+        tokens, targets = checked_pair(tokens, targets, self.config)
         self._require_pass(tokens, workers, grads=True)
-        return engine.training.loss_and_grads(self._flat_params(), self.config, self.rope, tokens, targets,
-                                              workers=workers, recompute=self.gradient_checkpointing)
+        return self.backend.loss_and_grads(self.params, self.config, self.rope, tokens, targets,
+                                           checkpointing=self.gradient_checkpointing, workers=workers)
+
+    def optimizer(self, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1) -> AdamW:
+        """AdamW over model.params from the model's backend (the engine's is optim.AdamW bit for bit, faster)."""
+        return self.backend.optimizer(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def _require_pass(self, tokens: np.ndarray, workers, grads: bool) -> None:
         """Refuse a batch whose activations cannot fit (npllama.memory), before computing it."""
         B, T = tokens.shape
-        rows, shards = engine.pass_footprint(B, T, self.config.dim, workers)
+        rows, shards = pass_footprint(self.backend, B, T, self.config.dim, workers)
         memory.require(memory.pass_bytes(self.config, B, rows, T, self.dtype.itemsize, shards if grads else 0),
                        f"{'loss_and_grads' if grads else 'forward'} on {B} x {T} tokens", "a smaller batch")
 
-    def _flat_params(self) -> dict:
-        """self.params, made views of one flat array if they are not yet (a loaded model), which the
-        training pass reads and writes without copies (engine/layout.py). The same values in the
-        same dict: an optimizer built on model.params goes on updating them."""
-        if FlatLayout(self.config).base_of(self.params) is None:
-            flat = flat_params(self.config, self.dtype)
-            for name, view in flat.items():
-                view[...] = self.params[name]
-            self.params.update(flat)
-        return self.params
-
     def generate(self, prompt_ids, max_new_tokens=32, temperature=0.0, top_k=None, top_p=None,
-                 seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False,
-                 fill_context=False):
+                 seed=None, stop_ids=None, min_p=None, repetition_penalty=None, sliding_window=False):
         """New token ids after prompt_ids (1-D), sampled with a KV cache: npllama.generate.generate."""
         return generation.generate(self, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                    top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids, min_p=min_p,
-                                   repetition_penalty=repetition_penalty, sliding_window=sliding_window,
-                                   fill_context=fill_context)
+                                   repetition_penalty=repetition_penalty, sliding_window=sliding_window)
 
     def generate_stream(self, prompt_ids, max_new_tokens=32, **sampling):
         """The ids of generate(), yielded one at a time as they are sampled: npllama.generate.generate_stream."""
@@ -202,7 +233,25 @@ class Llama:
 
     def __repr__(self):
         held = f", storage_dtype={self.storage_dtype}" if self.storage_dtype != self.dtype.name else ""
-        return f"Llama({self.config}, dtype={self.dtype.name}{held}, params={self.n_params():,})"
+        return (f"Llama({self.config}, dtype={self.dtype.name}{held}, backend={self.backend.name}, "
+                f"params={self.n_params():,})")
+
+
+def is_mapped(a) -> bool:
+    """True when the array's memory is a mapped file (np.memmap, or a view of an mmap.mmap)."""
+    while isinstance(a, np.ndarray):
+        if isinstance(a, np.memmap):
+            return True
+        a = a.base
+    return isinstance(getattr(a, "obj", a), mmap.mmap)          # np.frombuffer's memoryview of the mmap
+
+
+def pass_footprint(backend, batch_size: int, seq_len: int, dim: int, workers=None) -> tuple[int, int]:
+    """(rows whose activations are alive at once, shards whose gradients are held until summed):
+    the engine's shards, or the reference's one whole batch."""
+    if hasattr(backend, "pass_footprint"):
+        return backend.pass_footprint(batch_size, seq_len, dim, workers)
+    return batch_size, 1
 
 
 class LoraLlama:
@@ -214,10 +263,9 @@ class LoraLlama:
         lora.forward(x)                            # (B, T, V), through W + s B A without forming it
         lora.merged()                              # a Llama holding W + s B A: generate, save, export
 
-    The base's weights are stacked once for the engine and base.params is pointed at views of
-    the stacks (engine.lora.freeze_stacked: the same values, no second copy), so the base must
-    not be trained while it is adapted. Training and evaluation run npllama.engine.lora, tested
-    equal to the reference npllama.lora; generation runs the merged model.
+    It runs on its base's backend (the reference: npllama.lora; the engine: engine/lora.py, on
+    stacks of the base's weights, views when the base is laid out flat). The base's arrays are
+    never touched; the base must not be trained while it is adapted.
     """
 
     def __init__(self, base: Llama, spec: LoraSpec, seed: int = 0, adapters: dict | None = None):
@@ -230,7 +278,7 @@ class LoraLlama:
                                "inference only; LoRA needs a float32 or float64 base: load it with "
                                "npllama.load(path, dtype=np.float32)")
         self.base, self.spec = base, spec
-        self.config, self.dtype, self.rope = base.config, base.dtype, base.rope
+        self.config, self.dtype, self.rope, self.backend = base.config, base.dtype, base.rope, base.backend
         self.tokenizer = base.tokenizer
         if adapters is None:
             adapters = init_adapters(base.config, spec, seed, base.dtype)
@@ -243,36 +291,34 @@ class LoraLlama:
         # where the base came from, when it is a file: a LoRA checkpoint records both (io/lora.py)
         self.base_path: str | None = None
         self.base_sha256: str | None = None
-        self._frozen = freeze_stacked(base.params, base.config)
 
-    def _blocks(self):
-        """The blocks with the adapters, on the frozen stacks (engine/lora.py)."""
-        return lora_blocks(self._frozen, self.params, self.config, self.spec)
+    def _adapters(self) -> LoraAdapters:
+        return LoraAdapters(self.params, self.spec)
 
     def forward(self, tokens, workers=None):
         """Logits (B, T, V) of the adapted model for tokens (B, T); a 1-D sequence gives (T, V)."""
         one_dim = np.ndim(tokens) == 1
         tokens = check_tokens(tokens, self.config)
-        logits = engine.forward(self.base.params, self.config, self.rope, tokens, workers=workers,
-                                blocks=self._blocks())         # no gradient: nothing to recompute
+        logits = self.backend.forward(self.base.params, self.config, self.rope, tokens, lora=self._adapters(),
+                                      workers=workers)
         return logits[0] if one_dim else logits
 
     def loss_and_grads(self, tokens, targets, workers=None):
         """Mean cross-entropy (ignoring -100) and its gradient for every adapter: keyed and shaped like
-        self.params. The base gets none, and no weight-gradient GEMM of it is ever computed."""
-        tokens = check_tokens(tokens, self.config)
-        targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
-        if targets.shape != tokens.shape:
-            raise TokenError(f"targets shape {targets.shape} != tokens shape {tokens.shape}")
-        blocks = self._blocks()
-        loss, grads = engine.loss_and_grads(self.base.params, self.config, self.rope, tokens, targets,
-                                            workers=workers, frozen=True,
-                                            blocks=recomputed(blocks) if self.gradient_checkpointing else blocks)
-        return loss, {name: grads[name] for name in self.params}
+        self.params. The base gets none (on the engine no weight-gradient GEMM of it is formed)."""
+        tokens, targets = checked_pair(tokens, targets, self.config)
+        return self.backend.loss_and_grads(self.base.params, self.config, self.rope, tokens, targets,
+                                           lora=self._adapters(), checkpointing=self.gradient_checkpointing,
+                                           workers=workers)
+
+    def optimizer(self, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1) -> AdamW:
+        """AdamW over the adapters, from the base's backend."""
+        return self.backend.optimizer(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def merged(self) -> Llama:
         """An ordinary Llama whose adapted weights are W + s B A (the others shared with the base)."""
-        model = Llama.from_params(self.config, merge(self.base.params, self.params, self.spec), self.dtype)
+        model = Llama.from_params(self.config, merge(self.base.params, self.params, self.spec), self.dtype,
+                                  backend=self.backend.name)
         model.tokenizer = self.tokenizer
         return model
 

@@ -15,13 +15,14 @@ an adapted model starts exactly where its base is.
 
     spec = LoraSpec(rank=8, alpha=16, targets=("wq", "wv"))
     adapters = init_adapters(config, spec, seed=0)
+    logits = forward(params, adapters, config, spec, tokens)                      # (B, T, V)
     loss, grads = loss_and_grads(params, adapters, config, spec, tokens, targets)   # keyed like adapters
     merged = merge(params, adapters, spec)      # W + s B A: an ordinary model, for export
 
 The blocks are the reference's own (model.block_forward / block_backward): an adapted weight
-is an `Adapted` in the block's LayerWeights, which the block runs through the LoRA op. The
-model-level chain rule is model.loss_and_grads with frozen=True. npllama.engine.lora runs the
-same arithmetic faster (tested equal in float64).
+is an `Adapted` in the block's LayerWeights, which the block runs through the LoRA op, and the
+model-level chain rule is model.loss_and_grads's. npllama.engine runs the same arithmetic
+faster, never forming the frozen weights' gradients (tested equal in float64).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 from . import model
 from .checks import check_dtype, check_int, check_real
 from .config import LlamaConfig
-from .model import LAYER_PARAM_NAMES, Adapted, Blocks, LayerWeights, LoraGrads, block_backward, block_forward
+from .model import LAYER_PARAM_NAMES, Adapted, LayerWeights, LoraGrads
 from .errors import NpllamaError
 
 # The projections LoRA can adapt, in the order of a block's LayerWeights.
@@ -160,30 +161,31 @@ def adapted_layer(params: dict, adapters: dict, spec: LoraSpec, i: int) -> Layer
     return w._replace(**adapted)
 
 
-def adapted_block_backward(dout, cache):
-    """model.block_backward, keeping only the adapters' gradients (A, B of each target, in block order).
-
-    The reference block still forms the gradients of the frozen norms and unadapted projections
-    and drops them here; the engine (npllama.engine.lora) never forms them.
-    """
-    dx, dlayer = block_backward(dout, cache)
-    return dx, [g for d in dlayer if isinstance(d, LoraGrads) for g in d]
+def adapted_layers(params: dict, adapters: dict, config: LlamaConfig, spec: LoraSpec) -> list[LayerWeights]:
+    """Every block's weights with their adapters, for model.forward / model.loss_and_grads(layers=...)."""
+    return [adapted_layer(params, adapters, spec, i) for i in range(config.n_layers)]
 
 
-def adapted_blocks(params: dict, adapters: dict, config: LlamaConfig, spec: LoraSpec) -> Blocks:
-    """The reference blocks with their adapters, for model.forward / model.loss_and_grads."""
-    return Blocks([adapted_layer(params, adapters, spec, i) for i in range(config.n_layers)],
-                  block_forward, adapted_block_backward, lambda i: adapter_names(i, spec))
+def forward(params: dict, adapters: dict, config: LlamaConfig, spec: LoraSpec, tokens, *, rope=None):
+    """Logits (B, T, V) of the adapted model: model.forward with the adapted layers."""
+    return model.forward(params, config, tokens, rope=rope, layers=adapted_layers(params, adapters, config, spec))[0]
 
 
 def loss_and_grads(params: dict, adapters: dict, config: LlamaConfig, spec: LoraSpec, tokens, targets, *,
-                   rope=None, normalizer=None, blocks: Blocks | None = None):
+                   rope=None, checkpointing: bool = False):
     """Mean cross-entropy of the adapted model, and its gradient for every adapter (none for params).
 
-    Inputs:  as model.loss_and_grads; blocks: by default adapted_blocks(params, adapters, config, spec).
-    Returns: loss (python float), grads (dict with exactly the keys and shapes of adapters).
+    The chain rule is model.loss_and_grads's, on the adapted layers: an adapted weight's entry in
+    its result is the LoraGrads(dA, dB) of lora_backward, and the frozen weights' gradients,
+    which the reference forms as usual, are dropped here (the engine never forms them).
+    Inputs:  as model.loss_and_grads. Returns: loss (python float), grads keyed and shaped like adapters.
     """
-    blocks = adapted_blocks(params, adapters, config, spec) if blocks is None else blocks
-    loss, grads = model.loss_and_grads(params, config, tokens, targets, rope=rope, normalizer=normalizer,
-                                       blocks=blocks, frozen=True)
-    return loss, {name: grads[name] for name in adapters}
+    layers = adapted_layers(params, adapters, config, spec)
+    loss, grads = model.loss_and_grads(params, config, tokens, targets, rope=rope, layers=layers,
+                                       checkpointing=checkpointing)
+    kept = {}
+    for name, g in grads.items():
+        if isinstance(g, LoraGrads):
+            stem = name.removesuffix(".weight")
+            kept[stem + ".lora_a"], kept[stem + ".lora_b"] = g.a, g.b
+    return loss, {name: kept[name] for name in adapters}

@@ -74,20 +74,30 @@ def activation_bytes(config: LlamaConfig, rows: int, seq_len: int, itemsize: int
     return itemsize * (config.n_layers * per_layer + 2 * scores)
 
 
+def running_layer_bytes(config: LlamaConfig, rows: int, seq_len: int, itemsize: int) -> int:
+    """A forward that keeps nothing (engine/passes.py): the one block running holds, per token,
+    ~10 vectors of D, 4 of F and the q/k/v width, and the scores of one query block (64
+    positions, engine/attention.py) against every key, twice (the scores and their exp)."""
+    D, F, H, KVH, Dh = config.dim, config.hidden_dim, config.n_heads, config.n_kv_heads, config.head_dim
+    tokens = rows * seq_len
+    return itemsize * (tokens * (10 * D + 4 * F + (H + 2 * KVH) * Dh) + 2 * rows * H * min(seq_len, 64) * seq_len)
+
+
 def pass_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_len: int, itemsize: int,
                partial_grads: int = 0) -> int:
     """A forward (partial_grads=0) or a forward and backward (partial_grads: the shards, each with
     its own gradients until they are summed) over batch_size windows of an existing model, of
-    which rows_in_flight are processed at once. A forward (engine.passes): the engine's stacked
-    copy of the weights, the activations, and four arrays of logits' size (N, V): the whole
-    batch's, gathered from the shards, concatenated, and what its caller's loss makes of them.
-    A training pass (engine.training): the shards' gradients, the activations with the causal
-    half of the attention probabilities, and the logits of the rows in flight, whose softmax and
+    which rows_in_flight are processed at once. A forward (engine/passes.py, which keeps no
+    caches): the engine's stacked copy of the weights (for a model not laid out flat), one
+    layer's activations, and four arrays of logits' size (N, V): the whole batch's, gathered
+    from the shards, concatenated, and what its caller's loss makes of them. A training pass:
+    the gradients, the shards' terms held until summed, the activations with the causal half of
+    the attention probabilities, and the logits of the rows in flight, whose softmax and
     gradient are computed in place (two arrays of their size)."""
     params = config.n_params() * itemsize
     if not partial_grads:
         logits = 4 * batch_size * seq_len * config.vocab_size * itemsize
-        return params + activation_bytes(config, rows_in_flight, seq_len, itemsize) + logits
+        return params + running_layer_bytes(config, rows_in_flight, seq_len, itemsize) + logits
     logits = 2 * rows_in_flight * seq_len * config.vocab_size * itemsize
     return partial_grads * params + activation_bytes(config, rows_in_flight, seq_len, itemsize, True) + logits
 

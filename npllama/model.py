@@ -16,14 +16,15 @@ forward followed by the chain rule from the loss back to every parameter. (A pro
 weight is Adapted runs through the LoRA op instead of the plain linear one: npllama/lora.py.)
 
 Everything here is a pure function of (params, config, arrays): single-threaded, no state, no
-process-wide settings. npllama.Llama runs the same arithmetic through npllama.engine, which
-is faster and tested equal to these functions (tests/engine/).
+process-wide settings. npllama.Llama(..., backend="reference") runs exactly these functions
+(npllama/backend.py); the default backend, npllama.engine, runs the same arithmetic faster
+and is tested equal to them (tests/test_backends.py).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -139,9 +140,18 @@ def check_tokens(tokens, config: LlamaConfig, name: str = "tokens", allow_ignore
 INIT_CHUNK = 1 << 13
 
 
-def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32, out: dict | None = None) -> dict[str, np.ndarray]:
-    """Weights ~ Normal(0, 0.02), norms = 1, as GPT-2 / llama2.c initialise.
+def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """A new model's parameters: new arrays of config.param_shapes(), filled by fill_init_params."""
+    dtype = check_dtype(dtype)
+    params = {name: np.empty(shape, dtype=dtype) for name, shape in config.param_shapes().items()}
+    fill_init_params(params, config, seed)
+    return params
 
+
+def fill_init_params(params: dict, config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Weights ~ Normal(0, 0.02), norms = 1, as GPT-2 / llama2.c initialise, written into params.
+
+    params: contiguous arrays of every name and shape of config.param_shapes(), filled in place.
     The two projections that write into the residual stream (wo, w2) get std 0.02 / sqrt(2 L),
     so the stream's variance does not grow with depth (GPT-2 paper, section 2.3). llama2.c's
     model.py scales w3 instead of w2; w2 is the one on the residual path.
@@ -149,21 +159,17 @@ def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32, out: dict 
     (a generator gives the same stream however its draws are cut), scaled in float64 and then
     rounded into the parameter: a float32 and a float64 model of the same seed hold the same
     numbers up to rounding, and no float64 copy of a whole matrix is ever made.
-    out: the arrays to fill, by name (e.g. views of one flat array); by default new ones.
     """
-    dtype = check_dtype(dtype)
     rng = np.random.default_rng(seed)
     residual_std = 0.02 / math.sqrt(2 * config.n_layers)
-    params = {} if out is None else out
     draws = np.empty(INIT_CHUNK)
     for name, shape in config.param_shapes().items():
-        p = params[name] if out is not None else np.empty(shape, dtype=dtype)
-        params[name] = p
+        p = params[name]
+        assert p.flags.c_contiguous and p.shape == shape, f"{name}: {p.shape} != {shape}"
         if name.endswith("norm.weight"):
             p[...] = 1
             continue
         std = residual_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0.02
-        assert p.flags.c_contiguous and p.shape == shape and p.dtype == dtype, f"{name}: {p.shape} {p.dtype}"
         flat = p.reshape(-1)                                     # a view, since p is contiguous
         for start in range(0, flat.size, INIT_CHUNK):
             chunk = draws[:min(INIT_CHUNK, flat.size - start)]
@@ -283,29 +289,17 @@ def block_backward(dout, cache: BlockCache):
 
 # ----------------------------------------------------------------------------- the whole model
 
-class Blocks(NamedTuple):
-    """The blocks as forward and loss_and_grads run them: each block's weights, and the pass.
-
-    The reference runs block_forward / block_backward on each block's LayerWeights; the engine
-    passes its own, faster pair on stacked weights (npllama.engine), and LoRA its adapted
-    blocks (npllama/lora.py), so that the model-level composition and chain rule below are
-    written once.
-    """
-    weights: list                # per block: what `forward` takes as w
-    forward: Callable            # (x, w, cos, sin, *, eps, kv, start_pos, mask) -> (x, cache)
-    backward: Callable           # (dx, cache) -> (dx, block i's gradients, in the order of names(i))
-    names: Callable = layer_param_names   # i -> the names of block i's gradients
-
-
-def reference_blocks(params: dict, config: LlamaConfig) -> Blocks:
-    return Blocks([layer_weights(params, i) for i in range(config.n_layers)], block_forward, block_backward)
+def model_layers(params: dict, config: LlamaConfig) -> list[LayerWeights]:
+    """Every block's weights, in order (views of params)."""
+    return [layer_weights(params, i) for i in range(config.n_layers)]
 
 
 class ModelCache(NamedTuple):
     embedding: tuple
-    blocks: list
+    blocks: list             # per block: its BlockCache, or with checkpointing only its input x (B, T, D)
     norm: tuple
     output: tuple
+    rope: tuple              # (cos, sin) rows of these positions, for blocks run again in backward
 
 
 def model_rope_tables(config: LlamaConfig, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -314,7 +308,7 @@ def model_rope_tables(config: LlamaConfig, dtype) -> tuple[np.ndarray, np.ndarra
 
 
 def forward(params: dict, config: LlamaConfig, tokens, *, rope=None, kv_cache: KVCache | None = None,
-            start_pos: int = 0, mask=None, blocks: Blocks | None = None):
+            start_pos: int = 0, mask=None, layers: list | None = None, checkpointing: bool = False):
     """Logits of every position, and the cache loss_and_grads differentiates through.
 
     Inputs:  params (Meta names -> arrays); tokens (B, T) ints, already checked (check_tokens);
@@ -322,51 +316,58 @@ def forward(params: dict, config: LlamaConfig, tokens, *, rope=None, kv_cache: K
              kv_cache, start_pos: the tokens sit at positions start_pos .. start_pos + T - 1, their
              keys and values are written into kv_cache and they attend to 0 .. start_pos + T - 1;
              mask: None (causal) or booleans (B, T, start_pos + T), True where a query may attend;
-             blocks: how to run the blocks (see Blocks), by default reference_blocks(params, config).
+             layers: each block's weights, by default model_layers(params, config) (LoRA passes
+             weights whose adapted projections are Adapted: npllama/lora.py);
+             checkpointing: keep only each block's input in the cache (see loss_and_grads).
     Returns: logits (B, T, V) in the params' dtype, ModelCache.
     """
     T = tokens.shape[1]
     emb = params["tok_embeddings.weight"]
     cos, sin = model_rope_tables(config, emb.dtype) if rope is None else rope
     cos, sin = cos[start_pos:start_pos + T], sin[start_pos:start_pos + T]   # (T, Dh/2)
-    blocks = reference_blocks(params, config) if blocks is None else blocks
+    layers = model_layers(params, config) if layers is None else layers
     x, c_embedding = embedding_forward(tokens, emb)                          # (B, T) -> (B, T, D)
     block_caches = []
-    for i, w in enumerate(blocks.weights):
+    for i, w in enumerate(layers):
         kv = None if kv_cache is None else (kv_cache, i)
-        x, c_block = blocks.forward(x, w, cos, sin, eps=config.norm_eps, kv=kv, start_pos=start_pos, mask=mask)
-        block_caches.append(c_block)
+        x_in = x
+        x, c_block = block_forward(x, w, cos, sin, eps=config.norm_eps, kv=kv, start_pos=start_pos, mask=mask)
+        block_caches.append(x_in if checkpointing else c_block)
     xn, c_norm = rmsnorm_forward(x, params["norm.weight"], config.norm_eps)
     logits, c_output = linear_forward(xn, params[output_weight_name(config)])   # (B, T, D) -> (B, T, V)
-    return logits, ModelCache(c_embedding, block_caches, c_norm, c_output)
+    return logits, ModelCache(c_embedding, block_caches, c_norm, c_output, (cos, sin))
 
 
-def loss_and_grads(params: dict, config: LlamaConfig, tokens, targets, *, rope=None, normalizer=None,
-                   blocks: Blocks | None = None, frozen: bool = False):
+def loss_and_grads(params: dict, config: LlamaConfig, tokens, targets, *, rope=None, layers: list | None = None,
+                   checkpointing: bool = False):
     """Mean cross-entropy of the targets that are not -100, and its gradient for every parameter.
 
-    Inputs:  tokens, targets (B, T) ints, already checked; normalizer: the count the summed loss
-             is divided by (default: the valid targets here; a shard of a batch passes the batch's);
-             rope, blocks: as in forward;
-             frozen: True when params do not train (LoRA, npllama/lora.py): dx alone flows back
-             through the output layer, and only the blocks' own gradients (their adapters') are kept.
-    Returns: loss (python float), grads (dict with exactly the keys and shapes of params; frozen:
-             keyed by blocks.names).
+    Inputs:  tokens, targets (B, T) ints, already checked; rope, layers: as in forward;
+             checkpointing: gradient checkpointing (Chen et al. 2016, "Training Deep Nets with
+             Sublinear Memory Cost"): the forward keeps only each block's input, and backward
+             runs that block's forward again to rebuild its cache just before its backward. The
+             same arithmetic on the same input, so the same gradients bit for bit, for one more
+             forward of every block; the memory of all the blocks' caches becomes one block's.
+    Returns: loss (python float), grads (dict with exactly the keys and shapes of params; when
+             layers hold Adapted projections, an adapted weight's entry is its adapter's
+             LoraGrads(dA, dB) instead: npllama/lora.py keeps those).
     """
-    blocks = reference_blocks(params, config) if blocks is None else blocks
-    logits, cache = forward(params, config, tokens, rope=rope, blocks=blocks)
-    loss, c_loss = cross_entropy_forward(logits, targets, normalizer)
+    layers = model_layers(params, config) if layers is None else layers
+    logits, cache = forward(params, config, tokens, rope=rope, layers=layers, checkpointing=checkpointing)
+    loss, c_loss = cross_entropy_forward(logits, targets)
     # The chain rule starts here: dloss = 1.0, and cross-entropy divides by the number of
     # targets that are not -100.
     dlogits = cross_entropy_backward(1.0, c_loss)
-    dxn, doutput = linear_backward(dlogits, cache.output, weight_grad=not frozen)
+    dxn, doutput = linear_backward(dlogits, cache.output)
     dx, dnorm = rmsnorm_backward(dxn, cache.norm)
     grads = {"norm.weight": dnorm}
+    cos, sin = cache.rope
     for i in reversed(range(config.n_layers)):
-        dx, dlayer = blocks.backward(dx, cache.blocks[i])
-        grads.update(zip(blocks.names(i), dlayer))
-    if frozen:                                               # the embedding is frozen too: stop here
-        return loss, {name: g for name, g in grads.items() if name not in params}
+        c_block = cache.blocks[i]
+        if checkpointing:                                    # rebuild this block's cache from its input
+            _, c_block = block_forward(c_block, layers[i], cos, sin, eps=config.norm_eps)
+        dx, dlayer = block_backward(dx, c_block)
+        grads.update(zip(layer_param_names(i), dlayer))
     dembedding = embedding_backward(dx, cache.embedding)
     if config.tie_embeddings:
         dembedding += doutput                                # one matrix, read twice: sum both uses

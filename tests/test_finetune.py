@@ -25,7 +25,7 @@ from npllama import cli
 from npllama.io.metadata import LORA_KEY
 from npllama.io.safetensors import read_safetensors
 from npllama.llama import LoraLlama
-from npllama.engine.blas import blas_threads
+from npllama.engine.settings import blas_threads
 from npllama.io.lora import fingerprint
 from npllama.lora import LoraSpec, adapter_shapes
 from npllama.tokenizers import SentencePieceTokenizer

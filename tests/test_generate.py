@@ -1,15 +1,15 @@
-"""KV-cached generation against recomputing the whole sequence every step.
+"""KV-cached generation against recomputing the whole sequence every step, on both backends.
 
 The reference, `naive_generate`, runs model.forward over the full sequence for every new token
 and samples with npllama.sampling.sample_next: no cache, no fused step, no padding. Everything
-in npllama.generate must reproduce it.
+in npllama.generate must reproduce it, whether the model's backend is the reference (whose
+decoder is model.forward with a KVCache) or the engine (a prefill and fused steps).
 """
 
 import numpy as np
 import pytest
 
 import npllama
-from npllama.engine import DecodeStep
 from npllama.generate import generate, generate_batch, generate_stream
 from npllama.sampling import sample_next
 
@@ -31,38 +31,40 @@ def naive_generate(model, prompt, max_new_tokens, temperature=0.0, seed=None, st
     return out
 
 
-@pytest.fixture
-def model64(tiny_config):
-    return npllama.Llama(tiny_config, seed=3, dtype=np.float64)
+@pytest.fixture(params=["engine", "reference"])
+def model64(request, tiny_config):
+    return npllama.Llama(tiny_config, seed=3, dtype=np.float64, backend=request.param)
 
 
 @pytest.mark.parametrize("B", [1, 4])
-def test_decode_step_logits_equal_full_recompute(model64, rng, B):
-    """Every step of the fused, cached decode gives the full forward's last logits to < 1e-10."""
+def test_decoder_steps_equal_full_recompute(model64, rng, B):
+    """The backend's decoder (a prefill, then one position a step) and Llama.forward with a KV cache
+    both give the full forward's last logits at every position to < 1e-10."""
     cfg = model64.config
     seq = rng.integers(0, cfg.vocab_size, size=(B, cfg.max_seq_len))
     P = 5
-    kv, kv_model = model64.new_kv_cache(B), model64.new_kv_cache(B)
-    model64.forward(seq[:, :P], kv_cache=kv, start_pos=0)
+    kv_model = model64.new_kv_cache(B)
     model64.forward(seq[:, :P], kv_cache=kv_model, start_pos=0)
-    step = DecodeStep(model64.params, cfg, model64.rope, B)
-    worst = 0.0
+    decoder = model64.new_decoder(B)
+    prefilled = decoder.prefill(seq[:, :P], None)
+    worst = np.abs(prefilled - model64.forward(seq[:, :P])[:, -1]).max()
     for pos in range(P, cfg.max_seq_len):
-        cached = step(seq[:, pos], pos, kv)
+        cached = decoder.step(seq[:, pos], pos, None)
         full = model64.forward(seq[:, :pos + 1])[:, -1]
         model_cached = model64.forward(seq[:, pos:pos + 1], kv_cache=kv_model, start_pos=pos)[:, 0]
         worst = max(worst, np.abs(cached - full).max(), np.abs(cached - model_cached).max())
+    decoder.close()
     assert worst < 1e-10, worst
 
 
-def test_decode_step_float32_is_close(tiny_config, rng):
-    model = npllama.Llama(tiny_config, seed=1)
+@pytest.mark.parametrize("backend", ["engine", "reference"])
+def test_decoder_float32_is_close(tiny_config, rng, backend):
+    model = npllama.Llama(tiny_config, seed=1, backend=backend)
     seq = rng.integers(0, tiny_config.vocab_size, size=(1, 12))
-    kv = model.new_kv_cache(1)
-    model.forward(seq[:, :4], kv_cache=kv)
-    step = DecodeStep(model.params, model.config, model.rope, 1)
+    decoder = model.new_decoder(1)
+    decoder.prefill(seq[:, :4], None)
     for pos in range(4, 12):
-        cached = step(seq[:, pos], pos, kv)
+        cached = decoder.step(seq[:, pos], pos, None)
         assert cached.dtype == np.float32
         np.testing.assert_allclose(cached, model.forward(seq[:, :pos + 1])[:, -1], atol=2e-5, rtol=1e-4)
 
@@ -142,8 +144,8 @@ def test_batched_rows_stop_independently(model64):
 def test_length_limit_and_sliding_window(model64):
     L = model64.config.max_seq_len
     with pytest.raises(ValueError, match="max_seq_len"):
-        generate(model64, [1] * 10, L - 9)
-    assert len(generate(model64, [1] * 10, L - 10)) == L - 10
+        generate(model64, [1] * 10, L - 8)
+    assert len(generate(model64, [1] * 10, L - 9)) == L - 9
     # the window lifts the limit; until the context fills up it changes nothing
     long = generate(model64, [1] * 10, 2 * L, sliding_window=True)
     assert len(long) == 2 * L
@@ -151,39 +153,36 @@ def test_length_limit_and_sliding_window(model64):
     assert len(generate(model64, list(range(5)) * L, 3, sliding_window=True)) == 3   # over-long prompt
 
 
-def test_fill_context_admits_one_more_token_sampled_at_the_last_position(model64):
-    """prompt p + max_new_tokens n = max_seq_len + 1 with fill_context=True (llama2.c's run.c): the
-    last token comes from the logits at position max_seq_len - 1 and is never fed back. Without the
-    keyword the contract's limit stands; + 2 fails either way."""
+def test_only_fed_positions_count_so_the_context_holds_one_more_new_token(model64):
+    """prompt p + max_new_tokens n = max_seq_len + 1 (llama2.c's run.c, CONTRACT.md): the last token
+    comes from the logits at position max_seq_len - 1 and is never fed back; + 2 is refused."""
     L = model64.config.max_seq_len
     prompt = [1, 2, 3]
     n = L - len(prompt) + 1
-    with pytest.raises(ValueError, match=f"max_seq_len={L}.*fill_context=True"):
-        generate(model64, prompt, n)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        model64.generate(prompt, max_new_tokens=n)
-    out = generate(model64, prompt, n, fill_context=True)
+    out = generate(model64, prompt, n)
     assert out.tolist() == naive_generate(model64, prompt, n)           # forward over all L positions
     assert out[:n - 1].tolist() == generate(model64, prompt, n - 1).tolist()
-    assert model64.generate(prompt, max_new_tokens=n, fill_context=True).tolist() == out.tolist()
-    assert list(generate_stream(model64, prompt, n, fill_context=True)) == out.tolist()
+    assert model64.generate(prompt, max_new_tokens=n).tolist() == out.tolist()
+    assert list(generate_stream(model64, prompt, n)) == out.tolist()
     sampled = dict(temperature=1.0, top_k=4, seed=9)
-    assert generate(model64, prompt, n, fill_context=True, **sampled).tolist() == \
-        naive_generate(model64, prompt, n, **sampled)
-    for call in (lambda: generate(model64, prompt, n + 1, fill_context=True),
-                 lambda: generate_stream(model64, prompt, n + 1, fill_context=True),
-                 lambda: generate_batch(model64, [prompt], n + 1, fill_context=True)):
-        with pytest.raises(ValueError, match=f"at most {n} new tokens"):
+    assert generate(model64, prompt, n, **sampled).tolist() == naive_generate(model64, prompt, n, **sampled)
+    for call in (lambda: generate(model64, prompt, n + 1),
+                 lambda: generate_stream(model64, prompt, n + 1),
+                 lambda: generate_batch(model64, [prompt], n + 1),
+                 lambda: model64.generate(prompt, max_new_tokens=n + 1)):
+        with pytest.raises(ValueError, match=f"max_seq_len={L}: at most {n} new tokens"):
             call()
+    # a 1-token prompt may ask for max_seq_len new tokens
+    assert len(generate(model64, [4], L)) == L
     # a prompt that fills the whole context still gets its one token; a longer one is refused
-    assert generate(model64, [5] * L, 1, fill_context=True).tolist() == naive_generate(model64, [5] * L, 1)
+    assert generate(model64, [5] * L, 1).tolist() == naive_generate(model64, [5] * L, 1)
     for n_new in (0, 1):
         with pytest.raises(ValueError, match=f"longer than the model's max_seq_len={L}"):
-            generate(model64, [5] * (L + 1), n_new, fill_context=True)
+            generate(model64, [5] * (L + 1), n_new)
     # a batch: the longest prompt reaches the end, the others are padded to it
     prompts = [[3], [1, 2, 3, 4, 5, 6, 7]]
     n = L - 7 + 1
-    outs = generate_batch(model64, prompts, n, fill_context=True)
+    outs = generate_batch(model64, prompts, n)
     assert [o.tolist() for o in outs] == [naive_generate(model64, p, n) for p in prompts]
 
 

@@ -14,7 +14,7 @@ PACKAGE = Path(npllama.__file__).parent
 
 # Bottom to top. A unit is a top-level module or subpackage of npllama.
 LAYERS = ["errors", "checks", "storage", "config", "memory", "tokenizers", "ops", "kvcache", "model",
-          "lora", "optim", "sampling", "gradcheck", "engine", "generate", "llama", "io", "train", "cli", "__main__"]
+          "lora", "optim", "sampling", "gradcheck", "backend", "engine", "generate", "llama", "io", "train", "cli", "__main__"]
 OPTIONAL = {"torch", "transformers", "matplotlib", "tokenizers"}   # third-party, imported where used
 
 
@@ -105,18 +105,22 @@ def test_imports_sit_at_module_top_except_optional_dependencies():
     assert not late, "imports inside functions (move them to the top):\n" + "\n".join(late)
 
 
-def test_the_reference_path_never_touches_process_wide_state():
-    """ops/, model.py and lora.py: no threads, no BLAS control, no signal handlers, no engine."""
+READER_UNITS = ("config", "ops", "kvcache", "model", "lora", "optim", "sampling", "backend")
+
+
+def test_the_reference_path_never_touches_process_wide_state_or_the_engine():
+    """config, ops/, model.py, lora.py, optim.py, sampling and the reference backend: no threads,
+    no BLAS control, no signal handlers, and no import of npllama.engine, direct or relative."""
     forbidden = ("threading", "concurrent", "ctypes", "signal", "multiprocessing", "npllama.engine", "os")
+    checked = set()
     for name, (path, tree) in modules().items():
-        if unit(name) not in ("ops", "model", "lora", "kvcache"):
+        if unit(name) not in READER_UNITS:
             continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] if not node.level else []
-            else:
-                continue
-            assert not any(n == f or n.startswith(f + ".") for n in names for f in forbidden), \
-                f"{path.relative_to(PACKAGE)} imports {names}"
+        checked.add(unit(name))
+        third_party = [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
+        third_party += [node.module or "" for node in ast.walk(tree)
+                        if isinstance(node, ast.ImportFrom) and not node.level]
+        resolved = [t for t, _, _ in npllama_imports(name, path, tree)]
+        bad = [n for n in third_party + resolved for f in forbidden if n == f or n.startswith(f + ".")]
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
+    assert checked == set(READER_UNITS)

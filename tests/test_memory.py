@@ -73,7 +73,8 @@ def test_estimates_hold_against_traced_peaks(dim, layers, heads, kv, vocab, batc
     _, peak = peak_of(lambda: model.loss_and_grads(x, x, workers=1))
     assert 0.5 <= peak / memory.pass_bytes(cfg, batch, rows, seq, itemsize, shards) <= 1.3, peak
     _, peak = peak_of(lambda: npllama.ops.cross_entropy_forward(model.forward(x), x))
-    assert 0.3 <= peak / memory.pass_bytes(cfg, batch, rows, seq, itemsize) <= 1.3, peak
+    # a forward keeps nothing: its estimate (one running layer, from per-token counts) is the looser
+    assert 0.2 <= peak / memory.pass_bytes(cfg, batch, rows, seq, itemsize) <= 1.3, peak
     _, peak = peak_of(lambda: model.new_kv_cache(3))
     assert 0.9 <= peak / memory.kv_cache_bytes(cfg, 3, itemsize) <= 1.1
 
@@ -145,7 +146,7 @@ def test_a_consistent_header_of_a_model_too_big_is_refused_before_reading(tmp_pa
 def test_training_too_big_is_refused_before_the_model_exists(text_file, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setattr(memory, "available_bytes", lambda: 4 * 2 ** 30)          # the same on every machine
     for changes in (dict(dim=65536, n_heads=64), dict(dim=128, n_heads=4, n_layers=100000),
-                    dict(batch_size=10 ** 6), dict(seq_len=8192, batch_size=64)):
+                    dict(batch_size=10 ** 6), dict(seq_len=8192, batch_size=64, n_layers=64)):
         out = tmp_path / "run"
         error, peak = peak_of(lambda: train(tiny_cfg(text_file, out, **changes), out=io.StringIO()))
         assert isinstance(error, MemoryLimitError), (changes, error)

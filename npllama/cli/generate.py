@@ -99,6 +99,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="precision the weights are held in: float32 or float64 (computed in it too), or float16 / "
                         "bfloat16, half the memory of float32, computed in float32 a layer at a time (for models "
                         "whose float32 copy does not fit; slower than float32)")
+    p.add_argument("--reference", action="store_true",
+                   help="decode on the readable reference (model.forward with a KV cache, single-threaded) "
+                        "instead of the engine: the same text, slower")
     p.set_defaults(func=run)
     return p
 
@@ -117,7 +120,7 @@ def _load(args):
         raise MissingFileError(f"no --model given and the default model {path} is missing from the installed "
                                 "package; reinstall npllama (its wheel carries the model; in a git checkout the "
                                 "file is a link to weights/shakespeare-char.safetensors) or pass --model PATH")
-    model = load(path, dtype=args.dtype)
+    model = load(path, dtype=args.dtype, backend="reference" if args.reference else "engine")
     tokenizer = getattr(model, "tokenizer", None)
     if args.tokenizer:
         tokenizer = tokenizer_from_file(args.tokenizer)
@@ -197,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                     top_p=args.top_p if args.top_p < 1.0 else None, min_p=args.min_p or None,
                     repetition_penalty=args.repeat_penalty if args.repeat_penalty != 1.0 else None)
     stream = generate_stream(model, prompt, n, seed=seed, stop_ids=stop_ids,
-                             sliding_window=args.sliding_window, fill_context=True, **sampling)
+                             sliding_window=args.sliding_window, **sampling)
     shown = ", ".join(f"{k}={v}" for k, v in sampling.items() if v is not None and
                       (args.temperature > 0 or k == "repetition_penalty"))
     shown = shown if args.temperature > 0 else ", ".join(["greedy", shown]).rstrip(", ")

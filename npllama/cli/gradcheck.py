@@ -1,5 +1,6 @@
 """`npllama gradcheck`: run a forward pass, then check every op's and the model's hand-written
-gradients against central differences in float64, printing one line per check.
+gradients against central differences in float64, printing one line per check. The model's
+gradients are those of the engine (the default) or, with --reference, of the reference.
 
 Exit code 0 when every relative error is below --tol, 1 otherwise.
 """
@@ -11,10 +12,10 @@ import time
 
 import numpy as np
 
-from .. import model as reference, ops
+from .. import ops
 from ..config import LlamaConfig
 from ..gradcheck import gradcheck, numerical_grad, rel_error
-from ..model import init_params
+from ..llama import Llama
 from .args import number
 
 
@@ -51,8 +52,10 @@ def run(args) -> int:
                       vocab_size=args.vocab_size, multiple_of=8, max_seq_len=args.seq_len)
     print(f"config: {cfg}")
     B, T = args.batch_size, args.seq_len
-    print(f"\n1. forward pass (float64): tokens ({B}, {T}) -> logits ({B}, {T}, {cfg.vocab_size})")
-    params = init_params(cfg, seed=args.seed, dtype=np.float64)
+    backend = "reference" if args.reference else "engine"
+    print(f"\n1. forward pass (float64, {backend}): tokens ({B}, {T}) -> logits ({B}, {T}, {cfg.vocab_size})")
+    model = Llama(cfg, seed=args.seed, dtype=np.float64, backend=backend)
+    params = model.params
     # Weights far larger than the 0.02 init: there, q and k gradients are ~1e-8, below what central
     # differences (noise ~1e-10) can certify to 1e-6.
     for p in params.values():
@@ -61,7 +64,7 @@ def run(args) -> int:
     targets = np.roll(tokens, -1, axis=1)
     targets[:, -1] = ops.IGNORE_INDEX
     t0 = time.perf_counter()
-    loss, grads = reference.loss_and_grads(params, cfg, tokens, targets)
+    loss, grads = model.loss_and_grads(tokens, targets)
     print(f"   loss {loss:.6f} (ln V = {np.log(cfg.vocab_size):.6f} for a uniform guess), "
           f"forward + backward {1e3 * (time.perf_counter() - t0):.1f} ms")
 
@@ -81,7 +84,7 @@ def run(args) -> int:
     print(f"\n3. whole model: {args.entries} entries of every parameter, loss differences, h = 1e-6")
     for name, p in params.items():
         picks = rng.choice(p.size, size=min(args.entries, p.size), replace=False)
-        numeric = numerical_grad(lambda: reference.loss_and_grads(params, cfg, tokens, targets)[0], p, indices=picks)
+        numeric = numerical_grad(lambda: model.loss_and_grads(tokens, targets)[0], p, indices=picks)
         err = rel_error(grads[name].reshape(-1)[picks], numeric.reshape(-1)[picks])
         worst = max(worst, err)
         print(f"   {name:<36} {str(p.shape):<10} relative error {err:.1e}")
@@ -104,4 +107,6 @@ def register(subparsers):
     p.add_argument("--entries", type=number(int, 1), default=4, help="entries checked per parameter")
     p.add_argument("--tol", type=number(float, 0.0, low_open=True), default=1e-6, help="largest relative error that passes")
     p.add_argument("--seed", type=int, default=0, help="seed for weights, tokens and probes")
+    p.add_argument("--reference", action="store_true",
+                   help="check the readable reference's gradients (npllama/model.py) instead of the engine's")
     p.set_defaults(func=run)

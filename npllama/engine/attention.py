@@ -1,4 +1,4 @@
-"""Block-causal attention for training: npllama.ops.attention's arithmetic without its dead half.
+"""Block-causal attention: npllama.ops.attention's arithmetic (attention_forward / _backward) without its dead half.
 
 The reference forms every (T, S) score and masks the future with -inf, so at T = 256 half the
 scores are computed, exponentiated and multiplied by zero. Here the queries go in blocks of
@@ -22,9 +22,16 @@ term rides in the dS matmul as one more column (forward keeps P v at width Dh: o
 there costs more than the matvec). Blocks run from the last, which covers every key and so
 writes dk and dv whole, back to the first, which adds into their first rows.
 
-q arrives scaled by 1/sqrt(Dh) and rotated (engine/training.py folds both into one pass), so
-the gradient returned is that of the scaled q, as in ops.attention. tests/engine/ checks this
-module against ops.attention_forward / attention_backward in float64 (1e-10).
+q arrives scaled by 1/sqrt(Dh) and rotated (engine/block.py folds both into one pass), so the
+dq returned is the gradient of the scaled q: ops.attention_backward's dq, of the unscaled q, is
+this one times 1/sqrt(Dh), a factor engine/block.py folds into the conjugate rotation.
+
+A prefill (engine/passes.py) runs the forward on T new positions after `start` cached ones:
+the keys and values then hold S = start + T positions, query t sits at start + t, and an
+optional additive bias (-inf on keys a query must not see, e.g. a left-padded row's padding)
+is added to every tile. Backward, for training, has start = 0 and no bias.
+tests/engine/test_attention.py checks this module against ops.attention_forward /
+attention_backward in float64 (1e-10).
 """
 
 from __future__ import annotations
@@ -41,8 +48,8 @@ BLOCK = 64
 
 class BlockAttentionCache(NamedTuple):
     q: np.ndarray            # (b, KVH, T*R, Dh) scaled, rotated queries, rows (t, r)
-    k: np.ndarray            # (b, KVH, T, Dh)
-    v1: np.ndarray           # (b, KVH, T, Dh + 1): [v | 1]
+    k: np.ndarray            # (b, KVH, S, Dh), S = T in training
+    v1: np.ndarray           # (b, KVH, S, Dh + 1): [v | 1]
     probs: list | None       # per block: P (b, KVH, n*R, e) unnormalised; None: recomputed in backward
     row_max: np.ndarray      # (b, KVH, T*R, 1) the max subtracted before the exp
     inv_sum: np.ndarray      # (b, KVH, T*R, 1) 1 / l
@@ -63,38 +70,47 @@ def diagonal_mask(n: int, R: int, dtype) -> np.ndarray:
     return mask
 
 
-def _scores(q, k, s, e, R):
-    """Scores of query block [s, e) against keys [0, e), the diagonal tile masked: (b, KVH, n R, e)."""
-    S = q[:, :, s * R:e * R] @ k[:, :, :e].swapaxes(-1, -2)
-    S[..., s:e] += diagonal_mask(e - s, R, S.dtype)
+def _scores(q, k, s, e, R, start=0, bias_rows=None):
+    """Scores of query block [s, e) against keys [0, start + e), the diagonal tile masked, plus the
+    bias's rows when given: (b, KVH, n R, start + e)."""
+    E = start + e
+    S = q[:, :, s * R:e * R] @ k[:, :, :E].swapaxes(-1, -2)
+    S[..., start + s:E] += diagonal_mask(e - s, R, S.dtype)
+    if bias_rows is not None:
+        S += bias_rows[:, :, s * R:e * R, :E]
     return S
 
 
-def attention_forward(q, k, v1, out, *, block: int = BLOCK, keep_probs: bool = True) -> BlockAttentionCache:
+def attention_forward(q, k, v1, out, *, block: int = BLOCK, keep_probs: bool = True, start: int = 0,
+                      bias=None) -> BlockAttentionCache:
     """Causal attention of q over k, v1 = [v | 1], written into out.
 
-    Inputs:  q (b, KVH, T*R, Dh), rows (t, r), scaled and rotated; k (b, KVH, T, Dh);
-             v1 (b, KVH, T, Dh + 1) whose last column is 1;
+    Inputs:  q (b, KVH, T*R, Dh), rows (t, r), scaled and rotated; k (b, KVH, S, Dh), any strides;
+             v1 (b, KVH, S, Dh + 1) whose last column is 1; S = start + T;
              out: (b, KVH, T, R, Dh), typically a view of the (b, T, H*Dh) input of wo;
              keep_probs: cache each block's P (False: only the row max and 1/l, and backward
-             recomputes P with one more q k^T per block: less memory, a few % more time).
+             recomputes P with one more q k^T per block: less memory, a few % more time);
+             start: positions before these queries (a prefill after cached ones);
+             bias: None, or additive (b, 1, T, S) (0 or -inf) added to every query's scores.
     Returns: the cache for attention_backward.
     """
     b, KVH, TR, Dh = q.shape
-    T = k.shape[2]
+    S = k.shape[2]
+    T = S - start
     R = TR // T
+    bias_rows = None if bias is None else np.repeat(bias, R, axis=2)    # (b, 1, T, S) -> (b, 1, T*R, S), rows (t, r)
     row_max = np.empty((b, KVH, TR, 1), dtype=q.dtype)
     inv_sum = np.empty((b, KVH, TR, 1), dtype=q.dtype)
     probs = [] if keep_probs else None
-    ones = np.ones((T, 1), dtype=q.dtype)
+    ones = np.ones((S, 1), dtype=q.dtype)
     for s, e in blocks(T, block):
         rows = slice(s * R, e * R)
-        P = _scores(q, k, s, e, R)
+        P = _scores(q, k, s, e, R, start, bias_rows)
         np.max(P, axis=-1, keepdims=True, out=row_max[:, :, rows])
         P -= row_max[:, :, rows]
         np.exp(P, out=P)
-        O = P @ v1[:, :, :e, :Dh]                                       # (b, KVH, n R, Dh)
-        np.matmul(P, ones[:e], out=inv_sum[:, :, rows])                 # l: a matvec, far faster than P.sum
+        O = P @ v1[:, :, :start + e, :Dh]                               # (b, KVH, n R, Dh)
+        np.matmul(P, ones[:start + e], out=inv_sum[:, :, rows])         # l: a matvec, far faster than P.sum
         np.divide(1.0, inv_sum[:, :, rows], out=inv_sum[:, :, rows])    # NumPy's divide beats its reciprocal
         n = e - s
         np.multiply(O.reshape(b, KVH, n, R, Dh), inv_sum[:, :, rows].reshape(b, KVH, n, R, 1), out=out[:, :, s:e])
@@ -108,11 +124,13 @@ def attention_backward(dout, out, cache: BlockAttentionCache, dv):
 
     Inputs:  dout, out (b, T, KVH, R, Dh): the gradient and the value of out, in wo's input layout;
              dv: (b, KVH, T, Dh) array (or view) that receives dv.
+    The forward's start must have been 0 and its bias None (training).
     Returns: dq (b, KVH, T*R, Dh) of the scaled q, rows (t, r); dk (b, KVH, T, Dh).
     """
     q, k, v1, probs, row_max, inv_sum, block = cache
     b, KVH, TR, Dh = q.shape
     T = k.shape[2]
+    assert TR % T == 0, f"backward of a prefill: {q.shape=} {k.shape=}"
     R = TR // T
     # [dO' | -D'] with dO' = dout / l and D' = rowsum(dout * out) / l, in the rows (t, r) of q
     d_rows = np.einsum("btkrd,btkrd->bktr", dout, out)[..., None]       # (b, KVH, T, R, 1) sums over Dh

@@ -1,11 +1,15 @@
-"""The decode step: one new token per row through a KV cache, npllama.model.forward with T = 1, fused.
+"""The engine's decoding: a prefill through engine/passes.py, then one token a step, fused.
 
-    step = DecodeStep(params, config, rope, batch_size)
-    logits = step(ids, pos, kv_cache)            # ids (B,) at position pos -> logits (B, V)
+    decoder = EngineDecoder(params, config, rope, batch_size)   # the backend's Decoder
+    logits = decoder.prefill(tokens, mask)                      # (B, P) -> (B, V), cache filled
+    logits = decoder.step(ids, pos, key_ok)                     # (B,) at position pos -> (B, V)
 
-Equal, up to rounding, to model.forward(params, config, ids[:, None], kv_cache=kv_cache,
-start_pos=pos)[:, 0] (tests/engine/ checks 1e-10 in float64). The block is the reference's,
-in fewer, larger NumPy calls:
+DecodeStep is model.forward(params, config, ids[:, None], kv_cache=kv_cache, start_pos=pos)
+with T = 1 (every op of model.block_forward: rmsnorm, the projections, rope, attention,
+swiglu; and the final rmsnorm and output), up to rounding (tests/test_backends.py checks 1e-10
+in float64). It is the one place the engine does not run engine/block.py: at one position a
+step costs per NumPy call (small models) or per byte of weights read (large ones), and the
+block's layout for many rows would cost both. The reference's ops, in fewer, larger NumPy calls:
   - the linear layers are StackedProjections or InPlaceProjections (engine.projections), chosen
     by the size of the weights: stacked, norm-folded copies for small models, whose steps cost
     per NumPy call, or the parameters read in place for large ones, whose steps cost per byte of
@@ -16,8 +20,8 @@ in fewer, larger NumPy calls:
     pair (x[2i], x[2i+1]) read as x[2i] + i x[2i+1], times cos + i sin, is the rotation
         y[2i] = x[2i] cos - x[2i+1] sin,   y[2i+1] = x[2i] sin + x[2i+1] cos;
   - the softmax denominator comes out of the same matmul as its numerator (DecodeCache).
-The cache is a DecodeCache, a KVCache in the layout the step reads fastest: the prefill
-(engine.inference.forward over the prompt) fills it through KVCache.append, and each step adds one position.
+The cache is a DecodeCache (engine/cache.py), a KVCache in the layout the step reads fastest:
+the prefill's blocks fill it, and each step adds one position.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import LlamaConfig
-from ..kvcache import KVCache
-from .blas import blas_threads
-from .projections import FEW_ROWS, InPlaceProjections, StackedProjections
+from ..backend import Decoder
+from .settings import blas_threads
+from .cache import DecodeCache
+from .passes import forward
+from .projections import FEW_ROWS, InPlaceProjections, RowHalves, StackedProjections
 from .upcast import has_half
 from ..errors import NpllamaError
 
@@ -64,32 +70,6 @@ def choose_layout(params: dict) -> str:
     return "stacked" if sum(a.nbytes for a in params.values()) <= STACKED_MAX_BYTES else "in_place"
 
 
-class DecodeCache(KVCache):
-    """A KVCache stored as the decode step reads it fastest (tests/engine/ checks it equal to KVCache):
-
-        k  (L, B, KVH, Dh, max_seq_len)       keys transposed, so scores = q @ k is one plain matmul
-        v  (L, B, KVH, max_seq_len, Dh + 1)   values and a column of ones, so e @ v gives both
-                                               sum_s e_s v_s and the softmax denominator sum_s e_s
-    (measured at dim 64: 2.3 and 1.1 us a layer per step saved). append hands out the usual
-    (B, KVH, S, Dh) views, so the prefill's forward writes it like any KVCache.
-    """
-
-    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=np.float32):
-        if batch_size < 1:
-            raise NpllamaError(f"batch_size={batch_size} must be >= 1")
-        self.k = np.zeros((n_layers, batch_size, n_kv_heads, head_dim, max_seq_len), dtype=dtype)
-        self.v = np.zeros((n_layers, batch_size, n_kv_heads, max_seq_len, head_dim + 1), dtype=dtype)
-        self.v[..., head_dim] = 1.0
-        self.length = 0
-
-    def append(self, layer: int, k, v, start_pos: int):
-        end = start_pos + k.shape[2]
-        Dh = k.shape[3]
-        self.k[layer, :, :, :, start_pos:end] = k.swapaxes(-1, -2)
-        self.v[layer, :, :, start_pos:end, :Dh] = v
-        return self.k[layer, :, :, :, :end].swapaxes(-1, -2), self.v[layer, :, :, :end, :Dh]
-
-
 class DecodeStep:
     """One decode step for a batch of batch_size rows.
 
@@ -99,14 +79,15 @@ class DecodeStep:
     place, a block of rows at a time in float32.
     """
 
-    def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None):
+    def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None,
+                 halves: RowHalves | None = None):
         self.config = config
         cos, sin = rope
         layout = choose_layout(params) if layout is None else layout
         if layout == "stacked":
-            self.projections = StackedProjections(params, config, batch_size)
+            self.projections = StackedProjections(params, config, batch_size, halves)
         elif layout == "in_place":
-            self.projections = InPlaceProjections(params, config, cos.dtype)
+            self.projections = InPlaceProjections(params, config, cos.dtype, halves)
         else:
             raise NpllamaError(f"layout={layout!r}; use 'stacked', 'in_place' or None (chosen by size)")
         self.layout = layout
@@ -160,3 +141,33 @@ class DecodeStep:
         ev = e @ v_cache[:, :, :S]                                          # (B, KVH, R, Dh + 1): [sum e v | sum e]
         att = ev[..., :Dh] / ev[..., Dh:]                                   # (B, KVH, R, Dh)
         return att.reshape(B, H * Dh)
+
+
+class EngineDecoder(Decoder):
+    """backend.Decoder on the engine: the prefill is engine/passes.forward into a DecodeCache
+    (the last position's logits only), each step a DecodeStep. Owns the helper thread of its
+    few-row GEMMs (projections.RowHalves), ended by close()."""
+
+    def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None):
+        self.params, self.config, self.rope = params, config, rope
+        self.cache = DecodeCache(config.n_layers, batch_size, config.n_kv_heads, config.max_seq_len,
+                                 config.head_dim, rope[0].dtype)
+        self.halves = RowHalves()
+        self.step_fn = DecodeStep(params, config, rope, batch_size, layout, self.halves)
+
+    def prefill(self, tokens, mask):
+        logits = forward(self.params, self.config, self.rope, tokens, kv_cache=self.cache, mask=mask, last_only=True)
+        self.cache.length = tokens.shape[1]
+        return logits
+
+    def step(self, ids, pos, key_ok):
+        key_bias = None
+        if key_ok is not None:                                  # (B, S) -> (B, 1, 1, S): -inf on padding
+            key_bias = np.where(key_ok, 0.0, -np.inf).astype(self.cache.k.dtype)[:, None, None, :]
+        logits = self.step_fn(ids, pos, self.cache, key_bias)
+        self.cache.length = pos + 1
+        return logits
+
+    def close(self):
+        self.halves.close()
+        self.cache = None

@@ -1,85 +1,252 @@
-"""The engine's whole-model passes: npllama.model.forward / loss_and_grads, sharded and stacked.
+"""The engine's whole-model passes: npllama.model.forward / loss_and_grads (and npllama.lora's), fast.
 
-    logits = forward(params, config, rope, tokens)                      # (B, T) -> (B, T, V)
-    loss, grads = loss_and_grads(params, config, rope, tokens, targets)  # grads keyed like params
+    loss, grads = loss_and_grads(params, config, rope, tokens, targets, lora=None, checkpointing=False)
+    logits = forward(params, config, rope, tokens, kv_cache=None, start_pos=0, mask=None, lora=None,
+                     last_only=False)
 
-The batch is cut into shards run on one thread per core (engine.shards); each shard runs the
-reference's model-level arithmetic (npllama.model.forward / loss_and_grads) with the engine's
-stacked blocks (engine.block). Each shard's loss is divided by the whole batch's target count,
-so the shards' losses and gradients add up to the full batch's exactly, up to rounding.
-tests/engine/ checks both passes against the reference (1e-10, float64).
+The model-level chain rule is the reference's; every block runs engine/block.py, the one block
+of the engine, whatever the pass:
+
+  - Shards (engine/shards.py): the batch rows in contiguous shards on one thread per core,
+    each with one BLAS thread. Every shard adds its gradient terms into the one gradient array
+    in a fixed order (ShardSums), so a step gives the same bits whatever the threads' timing.
+  - Flat arrays (engine/layout.py): when the parameters are views of one array (npllama.Llama
+    allocates them so), the stacks [wq; wk; wv] and [w1; w3] are views too, and the gradients
+    are views of one new flat array that the stacked dW GEMMs write directly. Other parameters
+    (a loaded file's) are stacked into copies for the call.
+  - LoRA (lora given: engine/lora.py): the same pass on frozen stacks with adapters; no
+    gradient of the output layer, the norms or the embedding is formed.
+  - Gradient checkpointing: each block keeps only its input in the forward, and is run again
+    just before its backward (the last block's cache is kept, since its backward comes next).
+    The same arithmetic on the same input, so the same bits, for about a third more compute.
+  - The cross-entropy's softmax and gradient are computed in place in the logits (fused.py).
+  - A forward keeps nothing (each block's activations are dropped once the next has its
+    input), computes the last position's logits only when asked (all a prefill needs), writes
+    keys and values into a KV cache by shard rows, and reads weights held in float16 /
+    bfloat16 one layer at a time, upcast (engine/upcast.py).
 """
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import numpy as np
 
-from .. import model
 from ..config import LlamaConfig
-from ..kvcache import KVCache
-from ..ops import IGNORE_INDEX
-from .block import block_backward, block_forward
-from .layout import stacked_views
-from .inference import forward as forward_without_grad
-from .shards import resolve_workers, run_sharded
-from .stacked import stack_layers
-from .upcast import has_half
-from ..errors import NpllamaError
+from ..model import layer_weights, output_weight_name
+from ..ops import count_valid
+from .attention import BLOCK
+from .block import KV, GradSink, Rotations, Shape, block_backward, block_forward, rotations
+from .cache import DecodeCache
+from .fused import add_rows, cross_entropy_in_place, rms_backward, rms_rstd
+from .layout import FlatLayout, stacked_views
+from .lora import adapted_layers
+from .projections import ChunkedHalfLinear, linear_in_place
+from .settings import blas_threads
+from .shards import ShardSums, n_shards, product, resolve_workers, run_sharded, value
+from .stacked import stack_layer
+from .upcast import float_params, upcast
+
+# Up to this many positions the attention probabilities are kept for backward; above, only
+# their row statistics, and backward recomputes them (one more q k^T per block): at T = 512 they
+# are the largest cache of all (a third of the step's activations at dim 768, 16 heads).
+KEEP_PROBS_MAX_T = 256
+# The model-level gradient slots of ShardSums, keyed (n_layers, slot), clear of the blocks' slots.
+OUTPUT_SLOT, NORM_SLOT, EMBEDDING_SLOT = 6, 7, 8
+# Below this many activations (B * T * D) a forward's GEMMs are small, and a second BLAS thread
+# costs more than it saves, ruinously so on a busy machine (an 8-token prompt of an 8M model: 9 ms
+# a GEMM on two threads under load, against well under 1 ms on one).
+MIN_THREADED_ACTIVATIONS = 1 << 16
 
 
-def stacked_blocks(params: dict, config: LlamaConfig) -> model.Blocks:
-    """The blocks as the engine runs them: weights stacked once, for every shard and layer call
-    (views, when the parameters are views of one flat array as npllama.Llama keeps them)."""
-    layers = stacked_views(params, config) or stack_layers(params, config)
-    return model.Blocks(layers, block_forward, block_backward)
+def block_layers(params: dict, config: LlamaConfig, dtype, lazy: bool = False):
+    """Block i's weights as a StackedLayer: views of a flat array, or new stacked copies (upcast
+    from float16 / bfloat16 when held so). Returns a list, or with lazy a function of i that
+    makes one layer's copies when that layer runs (a forward then holds one layer's copies)."""
+    views = stacked_views(params, config)
+    if views is not None:
+        return views.__getitem__ if lazy else views
+    floats = float_params(params, dtype)
+
+    def layer(i):
+        return stack_layer(layer_weights(floats, i))
+    return layer if lazy else [layer(i) for i in range(config.n_layers)]
 
 
-def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache: KVCache | None = None,
-            start_pos: int = 0, mask=None, workers=None, blocks: model.Blocks | None = None) -> np.ndarray:
-    """Logits (B, T, V) of checked tokens (B, T); arguments as npllama.model.forward.
+# ----------------------------------------------------------------------------- training
 
-    workers: threads sharing the batch rows (engine.shards.resolve_workers); used without a
-    cache or mask only, since a KV cache is written by position for the whole batch. Without
-    `blocks`, with a cache or mask, or weights held in float16 / bfloat16, the pass is
-    engine.inference.forward.
-    blocks: the blocks to run, by default stacked_blocks(params, config) (LoRA: engine/lora.py).
+class TrainPass(NamedTuple):
+    """What every shard of one loss_and_grads call shares."""
+    config: LlamaConfig
+    params: dict
+    layers: list             # per block: its StackedLayer (LoRA: AdaptedStacks)
+    dlayers: list | None     # per block: StackedLayer views of the gradients; None when frozen (LoRA)
+    grads: dict | None       # name -> view of the gradients; None when frozen
+    rotations: Rotations
+    n_valid: int
+    sums: ShardSums
+    block: int
+    keep_probs: bool
+    checkpointing: bool
+
+
+def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, lora=None,
+                   checkpointing: bool = False, workers=None, block: int | None = None,
+                   keep_probs: bool | None = None):
+    """Mean cross-entropy of checked tokens and targets (B, T) and its gradients.
+
+    rope: (cos, sin) tables of model_rope_tables. lora: None, or a backend.LoraAdapters whose
+    adapters are what trains (params frozen). workers: threads (engine.shards.resolve_workers).
+    block: query positions per attention block (attention.BLOCK). keep_probs: False recomputes
+    the attention probabilities in backward instead of keeping them; None keeps them up to
+    KEEP_PROBS_MAX_T positions. checkpointing: gradient checkpointing (module docstring).
+    Returns: loss (python float), grads keyed like params (views of one new flat array), or
+    like lora's adapters.
     """
-    if blocks is None and (kv_cache is not None or mask is not None or has_half(params)):
-        # nothing to differentiate here: one layer's weights and activations at a time (engine.inference)
-        return forward_without_grad(params, config, rope, tokens, kv_cache=kv_cache, start_pos=start_pos,
-                                    mask=mask)
-    blocks = stacked_blocks(params, config) if blocks is None else blocks
-    if kv_cache is not None or mask is not None:
-        return model.forward(params, config, tokens, rope=rope, kv_cache=kv_cache, start_pos=start_pos,
-                             mask=mask, blocks=blocks)[0]
-    workers = resolve_workers(workers, *tokens.shape, config.dim)
-    shards = run_sharded(lambda x: model.forward(params, config, x, rope=rope, blocks=blocks)[0],
-                         workers, config.dim, tokens)
+    n_valid = count_valid(targets)
+    B, T = tokens.shape
+    workers = resolve_workers(workers, B, T, config.dim)
+    dtype = rope[0].dtype
+    if lora is None:
+        layout = FlatLayout(config)
+        flat_grads = layout.new(dtype)
+        grads = layout.views(flat_grads)
+        dlayers = [layout.stacked(flat_grads, i) for i in range(config.n_layers)]
+        layers = block_layers(params, config, dtype)
+    else:
+        layers, grads = adapted_layers(block_layers(params, config, dtype), lora.params, config, lora.spec)
+        dlayers = None
+    step = TrainPass(config, params, layers, dlayers, None if lora else grads,
+                     rotations(rope[0][:T], rope[1][:T], config.head_dim), n_valid,
+                     ShardSums(n_shards(workers, B, T, config.dim)), BLOCK if block is None else block,
+                     T <= KEEP_PROBS_MAX_T if keep_probs is None else keep_probs, checkpointing)
+    # One BLAS thread throughout, also with one worker: at these sizes OpenBLAS's second thread
+    # costs more in hand-offs than it adds (a 1024 x 128 x 704 GEMM: 94 GF/s alone, 23 on two).
+    with blas_threads(1):
+        losses = run_sharded(lambda j, rows, x, y: _shard_loss_and_grads(step, j, x, y), workers, config.dim,
+                             tokens, targets)
+    return sum(losses), grads
+
+
+def _shard_loss_and_grads(p: TrainPass, shard: int, tokens, targets) -> float:
+    """model.loss_and_grads of one shard of rows; its gradient terms go into p's sums. Returns its loss."""
+    cfg = p.config
+    b, T = tokens.shape
+    s = Shape(b, T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim)
+    rot, eps, L = p.rotations, cfg.norm_eps, cfg.n_layers
+    frozen = p.grads is None
+    ids = tokens.reshape(-1)
+    x = np.take(p.params["tok_embeddings.weight"], ids, axis=0)          # (N,) -> (N, D)
+    caches = []                             # per block: its BlockCache, or its input when recomputing
+    for i, w in enumerate(p.layers):
+        x_in = x
+        x, c = block_forward(x, w, rot, s, eps, block=p.block, keep_probs=p.keep_probs)
+        # the last block's backward comes next: its cache is kept, not recomputed at once
+        caches.append(x_in if p.checkpointing and i < L - 1 else c)
+    rstd = rms_rstd(x, eps)
+    norm_w = p.params["norm.weight"]
+    xn = x * rstd
+    xn *= norm_w
+    out_name = output_weight_name(cfg)
+    w_out = p.params[out_name]
+    logits = xn @ w_out.T                                                # (N, D) -> (N, V)
+    # The chain rule starts here: dloss = 1.0, and the loss divides by the batch's valid targets.
+    loss, dlogits = cross_entropy_in_place(logits, targets.reshape(-1), p.n_valid)
+    dxn = dlogits @ w_out
+    if not frozen:
+        if cfg.tie_embeddings:
+            dw_out = dlogits.T @ xn                                      # kept: the embedding adds into it
+        else:
+            p.sums.put((L, OUTPUT_SLOT), p.grads[out_name], shard, product(dlogits.T, xn))
+    del logits, dlogits, xn
+    dx, dnorm = rms_backward(dxn, x, rstd, norm_w)
+    if not frozen:
+        p.sums.put((L, NORM_SLOT), p.grads["norm.weight"], shard, value(dnorm))
+    for i in reversed(range(L)):
+        c = caches.pop()
+        if p.checkpointing and i < L - 1:   # the same forward on the same input: the same cache, bit for bit
+            _, c = block_forward(c, p.layers[i], rot, s, eps, block=p.block, keep_probs=p.keep_probs)
+        dx = block_backward(dx, c, p.layers[i], s, rot, GradSink(p.sums, shard, i, None if frozen else p.dlayers[i]))
+        del c
+    if frozen:                              # the embedding is frozen too: nothing more to form
+        return loss
+    demb = p.grads["tok_embeddings.weight"]
+    if cfg.tie_embeddings:                  # one matrix read twice: the output's term plus the embedding's
+        p.sums.put((L, EMBEDDING_SLOT), demb, shard, value(add_rows(dw_out, ids, dx)))
+    else:
+        p.sums.put((L, EMBEDDING_SLOT), demb, shard, _embedding_term(ids, dx, cfg.vocab_size))
+    return loss
+
+
+def _embedding_term(ids, dx, vocab_size):
+    """term(out) for dW (+)= the scatter-add of dx's rows into the rows ids (ops.embedding_backward)."""
+    def term(out):
+        if out is None:
+            out = np.zeros((vocab_size, dx.shape[1]), dtype=dx.dtype)
+        else:
+            out.fill(0)
+        return add_rows(out, ids, dx)
+    return term
+
+
+# ----------------------------------------------------------------------------- forward
+
+class ForwardPass(NamedTuple):
+    config: LlamaConfig
+    params: dict
+    layer: Callable          # i -> block i's StackedLayer
+    rotations: Rotations
+    kv_cache: object         # None, a DecodeCache or a KVCache
+    start: int
+    bias: np.ndarray | None  # (B, 1, T, S) additive: 0, or -inf where the mask forbids
+    last_only: bool
+    dtype: np.dtype
+
+
+def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, start_pos: int = 0, mask=None,
+            lora=None, last_only: bool = False, workers=None) -> np.ndarray:
+    """Logits of checked tokens (B, T): (B, T, V), or (B, V) of the last position when last_only.
+
+    Arguments as npllama.model.forward; rope (cos, sin) sets the compute dtype; lora as in
+    loss_and_grads. workers: threads sharing the batch rows (shards.resolve_workers); one when the
+    weights must be copied per layer (a loaded or half-held model) or the cache is not a DecodeCache.
+    """
+    B, T = tokens.shape
+    dtype = rope[0].dtype
+    flat = stacked_views(params, config) is not None
+    if lora is None:
+        layer = block_layers(params, config, dtype, lazy=True)
+    else:
+        layers, _ = adapted_layers(block_layers(params, config, dtype), lora.params, config, lora.spec)
+        layer = layers.__getitem__
+    bias = None
+    if mask is not None:
+        bias = np.where(np.broadcast_to(mask, (B, T, start_pos + T)), 0.0, -np.inf).astype(dtype)[:, None]
+    p = ForwardPass(config, params, layer,
+                    rotations(rope[0][start_pos:start_pos + T], rope[1][start_pos:start_pos + T], config.head_dim),
+                    kv_cache, start_pos, bias, last_only, dtype)
+    shareable = (flat or lora is not None) and (kv_cache is None or isinstance(kv_cache, DecodeCache))
+    workers = resolve_workers(workers if shareable else 1, B, T, config.dim)
+    small = tokens.size * config.dim < MIN_THREADED_ACTIVATIONS
+    with blas_threads(1 if small else None):
+        shards = run_sharded(lambda j, rows, x: _shard_forward(p, rows, x), workers, config.dim, tokens)
     return np.concatenate(shards)
 
 
-def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, workers=None,
-                   blocks: model.Blocks | None = None, frozen: bool = False):
-    """Mean cross-entropy of checked tokens and targets (B, T) and every parameter's gradient.
-
-    workers: threads sharing contiguous shards of the batch rows (default: one per core, at
-    most B; one for small steps). The result depends on `workers` only through rounding; pass
-    workers=1 for sums in one order on every machine.
-    blocks, frozen: as in npllama.model.loss_and_grads (LoRA: engine/lora.py passes its adapted
-    blocks and frozen=True, and gets the adapters' gradients).
-    """
-    n_valid = int(np.count_nonzero(targets != IGNORE_INDEX))
-    if n_valid == 0:
-        raise NpllamaError("every target is -100 (ignored): the mean cross-entropy has no terms")
-    workers = resolve_workers(workers, *tokens.shape, config.dim)
-    blocks = stacked_blocks(params, config) if blocks is None else blocks
-    results = run_sharded(
-        lambda x, y: model.loss_and_grads(params, config, x, y, rope=rope, normalizer=n_valid, blocks=blocks,
-                                          frozen=frozen),
-        workers, config.dim, tokens, targets)
-    loss, grads = results[0]
-    for shard_loss, shard_grads in results[1:]:         # the batch's gradient is the shards' sum
-        loss += shard_loss
-        for name, g in shard_grads.items():
-            grads[name] += g
-    return loss, grads
+def _shard_forward(p: ForwardPass, rows: slice, tokens) -> np.ndarray:
+    """model.forward of one shard of rows, keeping nothing: logits (b, T, V), or (b, V) when last_only."""
+    cfg = p.config
+    b, T = tokens.shape
+    s = Shape(b, T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim)
+    x = upcast(np.take(p.params["tok_embeddings.weight"], tokens.reshape(-1), axis=0), p.dtype)   # (N, D)
+    for i in range(cfg.n_layers):
+        kv = None if p.kv_cache is None else KV(p.kv_cache, i, rows, p.start)
+        x = block_forward(x, p.layer(i), p.rotations, s, cfg.norm_eps, block=BLOCK, keep=False, kv=kv,
+                          bias=None if p.bias is None else p.bias[rows])
+    if p.last_only:
+        x = x.reshape(b, T, -1)[:, -1]                                    # (b, D): the last position's
+    xn = x * rms_rstd(x, cfg.norm_eps)
+    xn *= upcast(p.params["norm.weight"], p.dtype)
+    logits = np.empty((xn.shape[0], cfg.vocab_size), dtype=p.dtype)
+    linear_in_place(p.params[output_weight_name(cfg)], xn, logits, ChunkedHalfLinear(cfg.dim, p.dtype))
+    return logits if p.last_only else logits.reshape(b, T, -1)           # (b T, V) -> (b, T, V)

@@ -31,29 +31,22 @@ ChunkedHalfLinear.
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import numpy as np
 
 from ..config import LlamaConfig
 from ..model import layer_weights, output_weight_name
+from .fused import row_dot
 from .shards import available_cores
 from .stacked import fold_norms, stack_layers
 from .upcast import upcast, upcast_into
 
-# row_dot(a, b): sum(a * b) over the last axis, kept, (B, D) -> (B, 1). np.vecdot (NumPy >= 2.0) is
-# one ufunc call, half of einsum's time at D = 64; NumPy 1.x gets the einsum.
 if hasattr(np, "vecdot"):
-    row_dot = functools.partial(np.vecdot, keepdims=True)
-
     def matvec_into(w, x, out):
         """out (n,) = w (n, in) @ x (in,): one dot product per row of w, read in place."""
         np.vecdot(w, x, out=out)
 else:
-    def row_dot(a, b):
-        return np.einsum("...d,...d->...", a, b)[..., None]
-
     def matvec_into(w, x, out):
         np.matmul(w, x, out=out)
 
@@ -84,8 +77,9 @@ def normalized(x, d_eps):
 class StackedProjections:
     """Stacked, folded copies of the weights, oriented for the batch size (small models)."""
 
-    def __init__(self, params: dict, config: LlamaConfig, batch_size: int):
+    def __init__(self, params: dict, config: LlamaConfig, batch_size: int, halves: RowHalves | None = None):
         H, Dh = config.n_heads, config.head_dim
+        self.halves = halves
         # OpenBLAS picks its kernel by shape. Measured per step (one thread): with 2 rows, x @ W
         # with W stored (in, out) beats (W @ x.T).T with W stored (out, in), as Meta has it, by
         # 1.4x on an 8M model; with 4+ rows the latter wins by up to 1.4x; with one row they tie
@@ -114,7 +108,7 @@ class StackedProjections:
         if x.shape[0] > FEW_ROWS:
             return x @ w.T
         out = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
-        few_rows_linear(w, x, out)
+        few_rows_linear(w, x, out, self.halves)
         return out
 
     def embed(self, ids):
@@ -186,20 +180,22 @@ class RowHalves:
     product in another order for the halves' shapes (a rounding difference; the same bits every
     call for the same shapes).
 
-    One helper thread for the process, made on first use and kept (as the engine's thread pool);
-    a second caller arriving while it is busy computes alone rather than wait for it.
+    The helper thread is started on first use and ended by close() (a Decoder closes its own at
+    the end of a generate call); it is a daemon, so an interpreter never waits for it.
     """
 
     def __init__(self):
-        self._busy = threading.Lock()
         self._start, self._done = threading.Event(), threading.Event()
         self._job = self._error = None
-        threading.Thread(target=self._serve, name="npllama-row-halves", daemon=True).start()
+        self._thread = None
+        self._closing = False
 
     def _serve(self):
         while True:
             self._start.wait()
             self._start.clear()
+            if self._closing:
+                return
             w, x, out = self._job
             try:
                 out[...] = few_rows_gemm(w, x)
@@ -207,56 +203,53 @@ class RowHalves:
                 self._error = e
             self._done.set()
 
-    def __call__(self, w, x, out) -> bool:
-        """Fill out (N, n); False (out untouched) when another thread holds the helper."""
-        if not self._busy.acquire(blocking=False):
-            return False
+    def __call__(self, w, x, out) -> None:
+        """Fill out (N, n) = x @ w.T."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="npllama-row-halves", daemon=True)
+            self._thread.start()
+        half = w.shape[0] // 2
+        self._job, self._error = (w[half:], x, out[:, half:]), None
+        self._done.clear()
+        self._start.set()
         try:
-            half = w.shape[0] // 2
-            self._job, self._error = (w[half:], x, out[:, half:]), None
-            self._done.clear()
-            self._start.set()
-            try:
-                out[:, :half] = few_rows_gemm(w[:half], x)
-            finally:
-                self._done.wait()
-            if self._error is not None:
-                raise self._error
-            return True
+            out[:, :half] = few_rows_gemm(w[:half], x)
         finally:
+            self._done.wait()
             self._job = None
-            self._busy.release()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """End the helper thread (it is idle between calls) and wait for it."""
+        if self._thread is not None:
+            self._closing = True
+            self._start.set()
+            self._thread.join()
+            self._thread = None
 
 
-_row_halves: RowHalves | None = None
-_row_halves_lock = threading.Lock()
+def few_rows_linear(w, x, out, halves: RowHalves | None = None):
+    """out (N, n) = x (N, in) @ w.T for N <= FEW_ROWS: few_rows_gemm, on two cores (halves) when
+    the GEMM is large enough to pay for the hand-off (SPLIT_MIN_MACS) and the process may use two."""
+    if (halves is not None and w.shape[0] * w.shape[1] * x.shape[0] >= SPLIT_MIN_MACS and w.shape[0] >= 2
+            and available_cores() >= 2):
+        halves(w, x, out)
+    else:
+        out[...] = few_rows_gemm(w, x)
 
 
-def few_rows_linear(w, x, out):
-    """out (N, n) = x (N, in) @ w.T for N <= FEW_ROWS: few_rows_gemm, on two cores when the GEMM is
-    large enough to pay for the hand-off (SPLIT_MIN_MACS) and the process may use two."""
-    global _row_halves
-    if w.shape[0] * w.shape[1] * x.shape[0] >= SPLIT_MIN_MACS and w.shape[0] >= 2 and available_cores() >= 2:
-        if _row_halves is None:
-            with _row_halves_lock:
-                if _row_halves is None:
-                    _row_halves = RowHalves()
-        if _row_halves(w, x, out):
-            return
-    out[...] = few_rows_gemm(w, x)
-
-
-def linear_in_place(w, x, out, half_linear: ChunkedHalfLinear):
+def linear_in_place(w, x, out, half_linear: ChunkedHalfLinear, halves: RowHalves | None = None):
     """out (N, n) = x (N, in) @ w.T with w (n, in) read as it is held, never copied: one dot product
-    per row of w for one row of x, small GEMMs for a few (few_rows_linear), one GEMM for many, and
-    half_linear for a w held in another dtype than x's (float16 / bfloat16, or float32 under a
-    float64 x)."""
+    per row of w for one row of x, small GEMMs for a few (few_rows_linear, on two cores with
+    halves), one GEMM for many, and half_linear for a w held in another dtype than x's (float16 /
+    bfloat16, or float32 under a float64 x)."""
     if w.dtype != x.dtype:
         half_linear(w, x, out)
     elif x.shape[0] == 1:
         matvec_into(w, x[0], out[0])
     elif x.shape[0] <= FEW_ROWS:
-        few_rows_linear(w, x, out)
+        few_rows_linear(w, x, out, halves)
     else:
         np.matmul(x, w.T, out=out)
 
@@ -264,8 +257,9 @@ def linear_in_place(w, x, out, half_linear: ChunkedHalfLinear):
 class InPlaceProjections:
     """The parameters read where they are (large models, memory-mapped or half-held weights)."""
 
-    def __init__(self, params: dict, config: LlamaConfig, dtype):
+    def __init__(self, params: dict, config: LlamaConfig, dtype, halves: RowHalves | None = None):
         D, H, KVH, Dh = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
+        self.halves = halves
         self.dtype = np.dtype(dtype)
         sqrt_d = np.sqrt(D, dtype=np.float64)
 
@@ -287,7 +281,7 @@ class InPlaceProjections:
         out = np.empty((x.shape[0], width), dtype=self.dtype)
         start = 0
         for w in ws:
-            linear_in_place(w, x, out[:, start:start + w.shape[0]], self.half_linear)
+            linear_in_place(w, x, out[:, start:start + w.shape[0]], self.half_linear, self.halves)
             start += w.shape[0]
         return out
 

@@ -10,12 +10,13 @@ core's cache (measured: 5-10% faster per token than whole batches).
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from ..checks import check_int
-from .blas import blas_threads
+from .settings import blas_threads
 
 # Below this many activations per layer (B * T * D) a step takes about a millisecond, and handing
 # shards to threads costs more than it saves.
@@ -63,19 +64,82 @@ def pass_footprint(batch_size: int, seq_len: int, dim: int, workers=None) -> tup
     return min(batch_size, workers * -(-batch_size // shards)), shards
 
 
-def run_sharded(fn, workers: int, dim: int, *row_arrays, indexed: bool = False):
-    """[fn(*shard) for contiguous shards of the arrays' rows], run on `workers` threads, in order.
+def shard_rows(batch_size: int, seq_len: int, dim: int, workers: int) -> list[slice]:
+    """The contiguous row ranges of a batch's shards, in order (n_shards of them)."""
+    bounds = np.linspace(0, batch_size, n_shards(workers, batch_size, seq_len, dim) + 1).astype(int)
+    return [slice(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
+def run_sharded(fn, workers: int, dim: int, *row_arrays):
+    """[fn(j, rows, *(a[rows] for a in row_arrays)) for each shard j and its row range], in order,
+    on `workers` threads.
 
     There are at least `workers` shards, and more when rows are large, so that a shard holds
     about SHARD_ACTIVATIONS. With one worker the shards run one after another in this thread,
     with BLAS as it is; with more, every shard runs with one BLAS thread (restored on return).
-    indexed: call fn(j, *shard) with the shard's index j (0, 1, ... in row order).
     """
     B, T = row_arrays[0].shape[:2]
-    shards = [((j,) if indexed else ()) + tuple(a[rows] for a in row_arrays)
-              for j, rows in enumerate(np.array_split(np.arange(B), n_shards(workers, B, T, dim)))]
+    shards = [(j, rows) + tuple(a[rows] for a in row_arrays)
+              for j, rows in enumerate(shard_rows(B, T, dim, workers))]
     if workers == 1:
         return [fn(*shard) for shard in shards]
     with blas_threads(1):
         futures = [_executor(workers).submit(fn, *shard) for shard in shards]
         return [f.result() for f in futures]
+
+
+# ----------------------------------------------------------------------------- gradient sums
+
+class _Slot:
+    __slots__ = ("lock", "done", "pending")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.done = 0            # terms in the array so far
+        self.pending = {}        # place in the order -> term, waiting for those before it
+
+
+class ShardSums:
+    """Each gradient slot = the sum of every shard's term, added in one fixed order.
+
+    A slot is keyed (layer, slot) by two ints. Its order starts at shard (layer + slot) mod n and
+    goes on cyclically. The first shard in a slot's order writes its term straight into the slot
+    (a GEMM with out=); every later one computes its term aside and adds it once the shards before
+    it in that order have: the order of the additions, and so the rounding, never depends on which
+    thread gets there first, and the terms computed aside (the extra memory traffic) fall on every
+    shard alike. A step is reproducible bit for bit, with no per-shard copy of the gradients.
+    """
+
+    def __init__(self, n_shards: int):
+        self.n_shards = n_shards
+        self._slots: dict = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: tuple[int, int], dst: np.ndarray, shard: int, term) -> None:
+        """dst (+)= term(out) for key (layer, slot): term writes into out (the first shard in the
+        slot's order: dst itself) or, given None, returns an array."""
+        with self._lock:
+            slot = self._slots.setdefault(key, _Slot())
+        rank = (shard - key[0] - key[1]) % self.n_shards      # its place in this slot's order
+        if rank == 0:
+            term(dst)
+        else:
+            value = term(None)
+        with slot.lock:
+            if rank == 0:
+                slot.done = 1
+            else:
+                slot.pending[rank] = value
+            while slot.done in slot.pending:
+                dst += slot.pending.pop(slot.done)
+                slot.done += 1
+
+
+def product(a, b):
+    """term(out) for dst (+)= a @ b."""
+    return lambda out: np.matmul(a, b, out=out)
+
+
+def value(x):
+    """term(out) for dst (+)= x."""
+    return lambda out: x if out is None else np.copyto(out, x)

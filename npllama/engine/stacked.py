@@ -54,12 +54,3 @@ def fold_norms(w: StackedLayer, head_dim: int, n_heads: int) -> StackedLayer:
     wqkv = w.wqkv * (qkv_rows[:, None] * (w.attention_norm * scale)[None, :]).astype(w.wqkv.dtype)
     w13 = w.w13 * (w.ffn_norm * scale).astype(w.w13.dtype)
     return StackedLayer(None, wqkv, w.wo, None, w13, w.w2)
-
-
-def unstack(g: StackedLayer, n_heads: int, n_kv_heads: int) -> LayerWeights:
-    """A StackedLayer (of weights or gradients) split back into the reference's LayerWeights (views)."""
-    Dh = g.wo.shape[1] // n_heads
-    F = g.w2.shape[1]
-    q_end, k_end = n_heads * Dh, (n_heads + n_kv_heads) * Dh
-    return LayerWeights(g.attention_norm, g.wqkv[:q_end], g.wqkv[q_end:k_end], g.wqkv[k_end:], g.wo,
-                        g.ffn_norm, g.w13[:F], g.w2, g.w13[F:])

@@ -45,6 +45,7 @@ import numpy as np
 from .. import memory
 from ..config import LlamaConfig
 from ..errors import MissingFileError, NpllamaError
+from ..backend import check_backend_name
 from ..llama import Llama, LoraLlama
 from ..storage import all_finite, compute_dtype_of, is_half, storage_dtype_name, to_float, to_storage
 from ..ops import rope_frequencies
@@ -343,7 +344,7 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mapped: bool) ->
 
 
 def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None, verify: bool = True,
-         mmap: bool = True):
+         mmap: bool = True, backend: str = "engine"):
     """Load a checkpoint into an npllama.Llama (formats: see this module's docstring).
 
     dtype: what the weights are held in: np.float32 (default) or np.float64, which the model
@@ -361,11 +362,13 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
     max_seq_len: override the config's (e.g. Llama 2's 4096 makes large RoPE tables).
     verify: check the CRC-32s npllama records in the files it writes (io/integrity.py); a damaged
         file raises ChecksumMismatchError naming the tensor. Files without them load unverified.
+    backend: "engine" (default) or "reference" (npllama/backend.py): what the model runs on.
     model.tokenizer is set from the metadata key "npllama_tokenizer", or a folder's tokenizer.model
     or tokenizer.json, else None.
     """
+    check_backend_name(backend)
     loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len, verify=verify, mmap=mmap)
-    model = Llama.from_params(loaded.config, loaded.params, dtype=dtype)
+    model = Llama.from_params(loaded.config, loaded.params, dtype=dtype, backend=backend)
     model.tokenizer = loaded.tokenizer
     return model
 

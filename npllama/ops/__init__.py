@@ -20,7 +20,7 @@ Shape notation, used in every docstring and comment:
 """
 
 from .attention import attention_backward, attention_forward, causal_mask
-from .cross_entropy import IGNORE_INDEX, cross_entropy_backward, cross_entropy_forward
+from .cross_entropy import IGNORE_INDEX, NoTargetsError, count_valid, cross_entropy_backward, cross_entropy_forward
 from .embedding import embedding_backward, embedding_forward
 from .linear import linear_backward, linear_forward
 from .lora import LoraCache, lora_backward, lora_forward
@@ -30,7 +30,7 @@ from .swiglu import swiglu_backward, swiglu_forward
 
 __all__ = [
     "attention_forward", "attention_backward", "causal_mask",
-    "cross_entropy_forward", "cross_entropy_backward", "IGNORE_INDEX",
+    "cross_entropy_forward", "cross_entropy_backward", "IGNORE_INDEX", "NoTargetsError", "count_valid",
     "embedding_forward", "embedding_backward",
     "linear_forward", "linear_backward",
     "lora_forward", "lora_backward", "LoraCache",

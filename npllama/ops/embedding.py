@@ -2,16 +2,13 @@
 
 Its backward is a scatter-add: every row of dy is added into the row of dW its token chose,
 so a token that appears n times receives the sum of n gradient rows. `dW[ids] += dy` would
-keep only one of them; we sum exactly, by a one-hot matmul for small vocabularies and a
-sort + segmented sum for large ones (both faster than np.add.at).
+keep only one of them (NumPy's fancy-index assignment writes each repeated index once);
+np.add.at accumulates every occurrence.
 """
 
 from typing import NamedTuple
 
 import numpy as np
-
-# Above this many one-hot entries (V * N) the dense matmul costs more than sorting the ids.
-_ONE_HOT_LIMIT = 1 << 22
 
 
 class EmbeddingCache(NamedTuple):
@@ -36,16 +33,7 @@ def embedding_backward(dy, cache):
     Returns: dweight (V, D). (ids are integers: they have no gradient.)
     """
     ids = cache.ids.reshape(-1)                                 # (B, T) -> (N,)
-    dy = dy.reshape(len(ids), -1).astype(cache.dtype, copy=False)   # (B, T, D) -> (N, D)
-    V, N = cache.vocab_size, len(ids)
-    if V * N <= _ONE_HOT_LIMIT:
-        one_hot = np.zeros((V, N), dtype=dy.dtype)
-        one_hot[ids, np.arange(N)] = 1
-        return one_hot @ dy                                     # (V, N) @ (N, D) -> (V, D)
-    # Sort so equal ids are adjacent, then sum each run of equal ids in one reduceat.
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    run_starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-    dweight = np.zeros((V, dy.shape[1]), dtype=dy.dtype)
-    dweight[sorted_ids[run_starts]] = np.add.reduceat(dy[order], run_starts, axis=0)
+    dy = dy.reshape(len(ids), -1)                               # (B, T, D) -> (N, D)
+    dweight = np.zeros((cache.vocab_size, dy.shape[1]), dtype=cache.dtype)
+    np.add.at(dweight, ids, dy)                                 # repeated ids: every row summed
     return dweight

@@ -25,17 +25,14 @@ def linear_forward(x, weight):
     return y.reshape(*x.shape[:-1], weight.shape[0]), LinearCache(x, weight)
 
 
-def linear_backward(dy, cache, weight_grad=True):
+def linear_backward(dy, cache):
     """dx = dy @ W;  dW = sum over leading axes of dy^T x, computed as one (out, N) @ (N, in) matmul.
 
-    Inputs:  dy (..., out); weight_grad=False for a frozen weight (LoRA fine-tuning): its GEMM
-             is skipped and dweight is None
+    Inputs:  dy (..., out)
     Returns: dx (..., in), dweight (out, in)
     """
     x, weight = cache
     dy2 = dy.reshape(-1, dy.shape[-1])                          # (..., out) -> (N, out)
     dx = (dy2 @ weight).reshape(x.shape)                        # (N, out) @ (out, in) -> (..., in)
-    if not weight_grad:
-        return dx, None
     dweight = dy2.T @ x.reshape(-1, x.shape[-1])                # (out, N) @ (N, in) -> (out, in)
     return dx, dweight

@@ -7,7 +7,8 @@ p is rotated by the angle p * theta_i, theta_i = rope_theta ** (-2i / Dh):
     y[2i+1] = x[2i] * sin + x[2i+1] * cos
 
 (Meta model.py apply_rotary_emb does this with complex numbers; Hugging Face rotates the
-halves (x[i], x[i + Dh/2]) instead, which convert.py reconciles by permuting wq/wk rows.)
+halves (x[i], x[i + Dh/2]) instead, which npllama/io/hf.py reconciles by permuting wq/wk rows:
+permute_hf_to_meta on load, permute_meta_to_hf on save.)
 A rotation is orthogonal, so the backward is the rotation by -angle.
 """
 

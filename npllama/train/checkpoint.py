@@ -157,11 +157,12 @@ def load_model_config(path):
     return config_from_metadata(read_safetensors_header(path)[1], str(path))
 
 
-def load_train_checkpoint(path) -> TrainCheckpoint:
+def load_train_checkpoint(path, backend: str = "engine") -> TrainCheckpoint:
     """Read a file save_train_checkpoint wrote; every missing or damaged piece is an NpllamaError
     that names it (the CRC-32s of io/integrity.py are verified, NaN and infinity refused).
 
-    The model keeps the saved dtype (no cast), so a resumed run continues bit for bit.
+    The model keeps the saved dtype (no cast), so a resumed run continues bit for bit; it runs on
+    `backend` ("engine" or "reference").
     """
     path = Path(path)
     _require_file(path)
@@ -173,10 +174,10 @@ def load_train_checkpoint(path) -> TrainCheckpoint:
         if t.dtype.kind == "f" and not np.isfinite(t).all():
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values; the file is damaged")
     if LORA_KEY in metadata:                       # the base it names, checked, with these adapters
-        model = read_adapted(path, tensors, metadata, lambda base, dtype: load(base, dtype))
+        model = read_adapted(path, tensors, metadata, lambda base, dtype: load(base, dtype, backend=backend))
     else:
         params = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
-        model = Llama.from_params(config, params)  # checks names and shapes, keeps the dtype
+        model = Llama.from_params(config, params, backend=backend)  # checks names and shapes, keeps the dtype
     model.tokenizer = tokenizer
     optimizer_state = dict(state["optimizer"])
     for kind in _MOMENTS:

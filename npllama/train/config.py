@@ -61,6 +61,8 @@ class TrainConfig:
     gradient_checkpointing: bool = _f("keep only each block's input and recompute the block in backward: a "
                                       "fraction of the activation memory for one more forward per step "
                                       "(the same arithmetic, the same results)", default=False)
+    reference: bool = _f("run on the readable reference (npllama/ops, model.py, lora.py, optim.py), "
+                         "single-threaded, instead of the engine: the same results, slower", default=False)
     lr: float = _f("peak learning rate, reached after the warm-up", default=2e-3)
     min_lr: float = _f("learning rate at the end of the cosine decay", default=2e-4)
     warmup_steps: int = _f("linear warm-up steps", default=100)
@@ -133,7 +135,7 @@ class TrainConfig:
                              "or a folder without a suffix (Hugging Face)")
         if not isinstance(self.data, (str, type(None))):
             raise NpllamaError(f"--data={self.data!r} must be a path")
-        for name in ("tie_embeddings", "resume", "gradient_checkpointing"):
+        for name in ("tie_embeddings", "resume", "gradient_checkpointing", "reference"):
             if not isinstance(getattr(self, name), bool):
                 raise NpllamaError(f"{flag(name)}={getattr(self, name)!r} must be True or False")
         for name in ("init", "init_tokenizer"):
@@ -146,6 +148,11 @@ class TrainConfig:
                 if getattr(self, name):
                     raise NpllamaError(f"{flag(name)} needs --init PATH: it applies to a model loaded from a checkpoint "
                                      "(LoRA adapts trained weights)")
+
+    @property
+    def backend(self) -> str:
+        """The backend the run's model computes on (npllama/backend.py)."""
+        return "reference" if self.reference else "engine"
 
     def lora_spec(self) -> LoraSpec:
         """The LoRA adapters these settings ask for (rank 0: none, full fine-tuning)."""

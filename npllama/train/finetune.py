@@ -40,7 +40,7 @@ def architecture_of(model: Llama) -> dict:
 
 def _load_init(cfg: TrainConfig) -> Llama:
     """The --init model in the run's dtype, with its tokenizer (or --init-tokenizer's)."""
-    model = load(cfg.init, dtype=np.dtype(cfg.dtype))
+    model = load(cfg.init, dtype=np.dtype(cfg.dtype), backend=cfg.backend)
     if cfg.init_tokenizer:
         model.tokenizer = SentencePieceTokenizer.from_file(cfg.init_tokenizer)
     if model.tokenizer is None:

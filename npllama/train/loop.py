@@ -40,13 +40,13 @@ from typing import TextIO
 
 import numpy as np
 
-from .. import engine, memory
+from .. import memory
 from ..config import LlamaConfig
-from ..engine import FusedAdamW
+from ..engine import freed_memory_kept
 from ..errors import NpllamaError, describe_os_error
 from ..io import save
 from ..io.atomic import stale_temp_files
-from ..llama import Llama
+from ..llama import Llama, backend_named, pass_footprint
 from ..ops import cross_entropy_forward
 from ..optim import AdamW, clip_grad_norm, lr_at
 from .chart import loss_chart
@@ -231,9 +231,9 @@ class Run:
         return Path(self.cfg.out_dir) / CHECKPOINT_NAME
 
     def new_optimizer(self) -> AdamW:
+        """The model's backend's AdamW (the engine's runs optim.AdamW's update, bit for bit, faster)."""
         cfg = self.cfg
-        return FusedAdamW(self.model.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                          weight_decay=cfg.weight_decay)
+        return self.model.optimizer(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def require_memory(cfg: TrainConfig, model_config: LlamaConfig) -> None:
@@ -241,7 +241,7 @@ def require_memory(cfg: TrainConfig, model_config: LlamaConfig) -> None:
 
     A LoRA run's base is loaded by then, and its optimizer holds the adapters' moments only: what
     is still to come is a pass over the batch (with the frozen stacks), not a model and its moments."""
-    rows, shards = engine.pass_footprint(cfg.batch_size, cfg.seq_len, model_config.dim)
+    rows, shards = pass_footprint(backend_named(cfg.backend), cfg.batch_size, cfg.seq_len, model_config.dim)
     itemsize = np.dtype(cfg.dtype).itemsize
     if cfg.lora_rank:
         needed = memory.pass_bytes(model_config, cfg.batch_size, rows, cfg.seq_len, itemsize)
@@ -268,7 +268,8 @@ def new_run(cfg: TrainConfig, log, explicit=()) -> Run:
         require_memory(cfg, cfg.model_config(max(1, cfg.vocab_size)))   # before the data: a bound from below
         corpus = prepare_data(cfg, log=log)
         require_memory(cfg, cfg.model_config(corpus.tokenizer.vocab_size))
-        model = Llama(cfg.model_config(corpus.tokenizer.vocab_size), seed=cfg.seed, dtype=np.dtype(cfg.dtype))
+        model = Llama(cfg.model_config(corpus.tokenizer.vocab_size), seed=cfg.seed, dtype=np.dtype(cfg.dtype),
+                      backend=cfg.backend)
         model.tokenizer = corpus.tokenizer
     run = Run(cfg, model, None, corpus, np.random.default_rng([cfg.seed, 1]), start_step=0)
     run.optimizer = run.new_optimizer()
@@ -279,7 +280,7 @@ def resume_run(cfg: TrainConfig, log, explicit=()) -> Run:
     """The run saved in OUT_DIR/ckpt.safetensors, exactly where it stopped, with cfg's non-structural values."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
     require_memory(cfg, load_model_config(ckpt_path))
-    ck = load_train_checkpoint(ckpt_path)
+    ck = load_train_checkpoint(ckpt_path, backend=cfg.backend)
     saved = TrainConfig.from_dict(ck.state["train_config"])
     cfg = init_architecture(saved, cfg, explicit)
     check_resume(saved, cfg, ckpt_path)
@@ -582,7 +583,9 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
         metrics = MetricsLog(Path(cfg.out_dir) / METRICS_NAME, run.start_step if cfg.resume else None)
         try:
             loop = Loop(run, console, metrics, run_start)
-            step, stopped = loop.run_until_done()
+            # the run's steps reuse the memory the last one freed (engine/settings.py), restored after
+            with freed_memory_kept():
+                step, stopped = loop.run_until_done()
             return finish(run, loop, step, stopped, console.log)
         finally:
             metrics.close()

@@ -1,12 +1,13 @@
-"""The engine (npllama.engine, what npllama.Llama runs) against the reference (npllama.model).
+"""The engine's passes (npllama.engine, the default backend) against the reference (npllama.model).
 
 In float64 on hypothesis-drawn configs (MHA, GQA, MQA, tied or not, odd lengths, -100 targets):
 forward logits, the loss and every gradient (the training pass with attention blocks of any
-size, T not a multiple of it, probabilities kept or recomputed; and the reference's
-model-level pass with the engine's stacked blocks), the
-masked and the KV-cached forward (the engine's inference pass, also with the last position's
-logits only), and each fused decode step in both weight layouts (stacked copies, weights read
-in place) and from weights held in float16 / bfloat16, all within 1e-10 relative of the reference.
+size, T not a multiple of it, probabilities kept or recomputed, shards of any size), the
+masked and the KV-cached forward (the prefill, also of the last position's logits only, after
+cached positions), and each fused decode step in both weight layouts (stacked copies, weights
+read in place; few-row GEMMs split on two threads or not) and from weights held in float16 /
+bfloat16, all within 1e-10 relative of the reference. tests/test_backends.py runs the product
+(training, LoRA, generation) on both backends and compares them.
 """
 
 from unittest import mock
@@ -17,8 +18,10 @@ from hypothesis import given, settings, strategies as st
 
 import npllama
 from npllama import model as reference
-from npllama.engine import DecodeStep, blas, decode, inference, passes, projections, training
-from npllama.engine import shards
+from npllama.engine import decode, passes, projections, shards
+from npllama.engine import settings as engine_settings
+from npllama.engine.cache import DecodeCache
+from npllama.engine.decode import DecodeStep
 from npllama.gradcheck import rel_error
 from npllama.storage import to_float, to_storage
 
@@ -80,26 +83,15 @@ def test_forward_loss_and_every_gradient_equal_the_reference(cfg, B, T, workers,
 
 @settings(max_examples=40)
 @given(configs(), st.integers(1, 4), st.integers(1, 12), st.integers(1, 5), st.booleans(), st.sampled_from([1, 2]),
-       st.integers(0, 10_000))
-def test_training_pass_with_any_attention_block_equals_the_reference(cfg, B, T, block, keep_probs, workers, seed):
+       st.booleans(), st.integers(0, 10_000))
+def test_training_pass_with_any_attention_block_equals_the_reference(cfg, B, T, block, keep_probs, workers,
+                                                                       checkpointing, seed):
     """Query blocks of 1..5 positions (T rarely a multiple), probabilities kept or recomputed."""
     model = random_model(cfg, seed)
     tokens, targets = tokens_and_targets(cfg, B, T, seed)
     expected_loss, expected_grads = reference.loss_and_grads(model.params, cfg, tokens, targets)
-    loss, grads = training.loss_and_grads(model.params, cfg, model.rope, tokens, targets, workers=workers,
-                                          block=block, keep_probs=keep_probs)
-    assert abs(loss - expected_loss) <= TOL * abs(expected_loss)
-    assert_grads_equal(grads, expected_grads, model.params)
-
-
-@settings(max_examples=15)
-@given(configs(), st.integers(1, 3), st.integers(1, 9), st.integers(0, 10_000))
-def test_reference_passes_with_stacked_blocks_equal_the_reference(cfg, B, T, seed):
-    """engine.passes: the reference's model-level chain rule with the engine's blocks (custom Blocks use it)."""
-    model = random_model(cfg, seed)
-    tokens, targets = tokens_and_targets(cfg, B, T, seed)
-    expected_loss, expected_grads = reference.loss_and_grads(model.params, cfg, tokens, targets)
-    loss, grads = passes.loss_and_grads(model.params, cfg, model.rope, tokens, targets, workers=2)
+    loss, grads = passes.loss_and_grads(model.params, cfg, model.rope, tokens, targets, workers=workers,
+                                        block=block, keep_probs=keep_probs, checkpointing=checkpointing)
     assert abs(loss - expected_loss) <= TOL * abs(expected_loss)
     assert_grads_equal(grads, expected_grads, model.params)
 
@@ -135,13 +127,32 @@ def _decode_equals_the_reference(cfg, B, P, layout, seed):
     model = random_model(cfg, seed)
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
     kv = model.new_kv_cache(B)
+    assert isinstance(kv, DecodeCache)
     prefill = model.forward(seq[:, :P], kv_cache=kv)
     assert rel_error(prefill, reference.forward(model.params, cfg, seq[:, :P])[0]) < TOL
-    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout)
+    halves = projections.RowHalves()
+    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout, halves=halves)
     for pos in range(P, cfg.max_seq_len):
         logits = step(seq[:, pos], pos, kv)
         expected = reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]
         assert rel_error(logits, expected) < TOL, pos
+    halves.close()
+
+
+@settings(max_examples=15)
+@given(configs(), st.integers(1, 3), st.integers(1, 5), st.integers(1, 5), st.sampled_from([1, 2]),
+       st.integers(0, 10_000))
+def test_forward_after_cached_positions_equals_the_reference(cfg, B, P, T, workers, seed):
+    """A KV-cached forward of T positions after P cached ones (prefill in two chunks), by shards of rows."""
+    model = random_model(cfg, seed)
+    seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, P + T))
+    kv = model.new_kv_cache(B)
+    model.forward(seq[:, :P], kv_cache=kv, workers=workers)
+    got = model.forward(seq[:, P:], kv_cache=kv, start_pos=P, workers=workers)
+    assert rel_error(got, reference.forward(model.params, cfg, seq)[0][:, P:]) < TOL
+    plain = npllama.kvcache.KVCache(cfg.n_layers, B, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim, np.float64)
+    model.forward(seq[:, :P], kv_cache=plain)                   # the reference's cache layout works too
+    assert rel_error(model.forward(seq[:, P:], kv_cache=plain, start_pos=P), got) < TOL
 
 
 @settings(max_examples=15)
@@ -176,7 +187,7 @@ def test_prefill_of_the_last_position_only_equals_the_reference(cfg, B, T, seed)
     model = random_model(cfg, seed)
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T))
     kv = model.new_kv_cache(B)
-    last = inference.forward(model.params, cfg, model.rope, tokens, kv_cache=kv, last_only=True)
+    last = passes.forward(model.params, cfg, model.rope, tokens, kv_cache=kv, last_only=True)
     assert last.shape == (B, cfg.vocab_size)
     assert rel_error(last, reference.forward(model.params, cfg, tokens)[0][:, -1]) < TOL
 
@@ -199,7 +210,7 @@ def check_half_held_weights(cfg, B, storage, seed):
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
     kv = model.new_kv_cache(B)
     P = 3
-    prefill = inference.forward(held, cfg, model.rope, seq[:, :P], kv_cache=kv)
+    prefill = passes.forward(held, cfg, model.rope, seq[:, :P], kv_cache=kv)
     assert rel_error(prefill, reference.forward(values, cfg, seq[:, :P])[0]) < TOL
     step = DecodeStep(held, cfg, model.rope, B)
     assert step.layout == "in_place"
@@ -229,34 +240,52 @@ def test_half_held_weights_in_float32_decode_as_their_float32_values():
                 assert rel_error(got, want) < 1e-6, (storage, B, pos)
 
 
-@pytest.mark.skipif(blas.get_blas_threads() is None, reason="NumPy's BLAS is not OpenBLAS: no thread count to restore")
+@pytest.mark.skipif(engine_settings.get_blas_threads() is None,
+                    reason="NumPy's BLAS is not OpenBLAS: no thread count to restore")
 @pytest.mark.parametrize("stacked_max_bytes", [decode.STACKED_MAX_BYTES, 0])     # 0: weights read in place
 def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused(monkeypatch, stacked_max_bytes):
     monkeypatch.setattr(decode, "STACKED_MAX_BYTES", stacked_max_bytes)
     cfg = npllama.LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=13, multiple_of=8, max_seq_len=64)
     model = npllama.Llama(cfg, seed=0)
     tokens = np.random.default_rng(0).integers(0, 13, (8, 64))
-    before = blas.get_blas_threads()
+    before = engine_settings.get_blas_threads()
     for threads in sorted({1, 2, before}):
-        blas.set_blas_threads(threads)
+        engine_settings.set_blas_threads(threads)
         model.loss_and_grads(tokens, tokens, workers=2)
         model.forward(tokens, workers=1)
         stream = model.generate_stream([1, 2, 3], max_new_tokens=5)
         next(stream)
         next(stream)                  # paused between two decode steps
-        assert blas.get_blas_threads() == threads
+        assert engine_settings.get_blas_threads() == threads
         stream.close()
-    blas.set_blas_threads(before)
+    engine_settings.set_blas_threads(before)
 
 
-def test_row_halves_equal_one_gemm_and_pass_errors_on():
+def test_row_halves_equal_one_gemm_pass_errors_on_and_end_their_thread():
     rng = np.random.default_rng(0)
     w, x = rng.standard_normal((301, 40)), rng.standard_normal((5, 40))
     halves = projections.RowHalves()
     out = np.empty((5, 301))
-    assert halves(w, x, out) and rel_error(out, x @ w.T) < TOL
+    halves(w, x, out)
+    assert rel_error(out, x @ w.T) < TOL
     again = np.empty((5, 301))
-    assert halves(w, x, again) and np.array_equal(again, out)            # the same bits every call
+    halves(w, x, again)
+    assert np.array_equal(again, out)                        # the same bits every call
     with pytest.raises(ValueError):                          # the halves fail: the caller raises
         halves(w, x[:, :7], np.empty((5, 301)))
-    assert halves(w, x, again) and np.array_equal(again, out)            # and the helper is free again
+    halves(w, x, again)
+    assert np.array_equal(again, out)                        # and the helper is free again
+    thread = halves._thread
+    halves.close()
+    assert not thread.is_alive()
+
+
+def test_a_generate_call_leaves_no_helper_thread_behind(monkeypatch):
+    monkeypatch.setattr(projections, "SPLIT_MIN_MACS", 0)
+    monkeypatch.setattr(projections, "available_cores", lambda: 2)
+    monkeypatch.setattr(decode, "STACKED_MAX_BYTES", 0)
+    import threading
+    cfg = npllama.LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=13, multiple_of=8, max_seq_len=64)
+    model = npllama.Llama(cfg, seed=0)
+    model.generate_batch([[1, 2], [3]], max_new_tokens=4)
+    assert not [t for t in threading.enumerate() if t.name == "npllama-row-halves"]

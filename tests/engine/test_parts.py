@@ -1,6 +1,7 @@
-"""The engine's training pass beyond equality with the reference: its flat arrays, the order of
-its sums (a step is reproducible bit for bit whatever the threads do), its attention on its own,
-and the parameters it starts from."""
+"""The engine's parts beyond its passes' equality with the reference: its flat arrays and
+model.params' identity, the order of its sums (a step is reproducible bit for bit whatever the
+threads do), its attention and its fused ops each against the op of npllama.ops they compute,
+and the parameters a model starts from."""
 
 import math
 
@@ -10,10 +11,12 @@ from hypothesis import given, settings, strategies as st
 
 import npllama
 from npllama import model as reference
-from npllama.engine import attention, shards, training
+from npllama.engine import attention, fused, passes, shards
 from npllama.engine.layout import FlatLayout
 from npllama.gradcheck import rel_error
-from npllama.ops import attention_backward, attention_forward
+from npllama.ops import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
+                         embedding_backward, embedding_forward, rmsnorm_backward, rmsnorm_forward)
+from npllama.ops.swiglu import sigmoid
 
 CFG = npllama.LlamaConfig(dim=24, n_layers=2, n_heads=6, n_kv_heads=2, vocab_size=200, hidden_dim=20,
                           max_seq_len=16)
@@ -30,10 +33,7 @@ def batch(cfg, B, T, seed=0):
 def test_parameters_are_views_of_one_flat_array_and_the_stacks_are_views_too(tied):
     cfg = CFG.replace(tie_embeddings=tied)
     loaded = npllama.Llama.from_params(cfg, {n: p.copy() for n, p in npllama.Llama(cfg, seed=1).params.items()})
-    before = {n: p.copy() for n, p in loaded.params.items()}
-    loaded.loss_and_grads(*batch(cfg, 2, 5))               # a loaded model's first step: moved into one array
-    assert all(np.array_equal(loaded.params[n], before[n]) for n in before)
-    for model in (npllama.Llama(cfg, seed=1), loaded):
+    for model in (npllama.Llama(cfg, seed=1), loaded):          # made, or given arrays (laid out on arrival)
         layout = FlatLayout(cfg)
         flat = layout.base_of(model.params)
         assert flat is not None and flat.size == cfg.n_params()
@@ -53,19 +53,37 @@ def test_parameters_are_views_of_one_flat_array_and_the_stacks_are_views_too(tie
         assert layout.base_of(grads) is not None
 
 
+@pytest.mark.parametrize("backend", ["engine", "reference"])
+def test_model_params_keep_their_identity_through_training_and_generation(backend):
+    """Arrays a user took from model.params stay the model's: every pass and step reads and writes them."""
+    model = npllama.Llama.from_params(CFG, {n: p.copy() for n, p in npllama.Llama(CFG, seed=2).params.items()},
+                                      backend=backend)
+    held = dict(model.params)
+    opt = model.optimizer(lr=0.1)
+    for _ in range(2):
+        _, grads = model.loss_and_grads(*batch(CFG, 2, 5))
+        opt.step(grads)
+    model.generate([1, 2], max_new_tokens=3)
+    model.gradient_checkpointing = True
+    model.loss_and_grads(*batch(CFG, 2, 5))
+    assert all(model.params[n] is held[n] for n in held)
+    held["norm.weight"][...] = 0.0                         # the user's array is the model's
+    assert not model.forward([[1, 2, 3]]).any()
+
+
 def test_parameters_not_in_the_flat_layout_are_trained_right():
-    """A replaced entry: the engine's pass gathers a copy, the model moves them back into one array."""
+    """A replaced entry: the engine's pass stacks copies for the call, and gives the reference's gradients."""
     model = npllama.Llama(CFG, seed=3, dtype=np.float64)
     tokens, targets = batch(CFG, 3, 7, seed=3)
     model.params["layers.0.attention.wk.weight"] = model.params["layers.0.attention.wk.weight"] * 1.5
     assert FlatLayout(CFG).base_of(model.params) is None
     expected_loss, expected = reference.loss_and_grads(model.params, CFG, tokens, targets)
-    for run in (lambda: training.loss_and_grads(dict(model.params), CFG, model.rope, tokens, targets),
+    for run in (lambda: passes.loss_and_grads(dict(model.params), CFG, model.rope, tokens, targets),
                 lambda: model.loss_and_grads(tokens, targets)):
         loss, grads = run()
         assert loss == pytest.approx(expected_loss, rel=1e-12)
         assert all(rel_error(grads[n], expected[n]) < 1e-10 for n in expected)
-    assert FlatLayout(CFG).base_of(model.params) is not None
+    assert rel_error(model.forward(tokens), reference.forward(model.params, CFG, tokens)[0]) < 1e-10
 
 
 def test_the_sums_order_is_fixed_so_threads_never_change_a_bit(monkeypatch):
@@ -114,26 +132,64 @@ def test_block_causal_attention_equals_the_reference_op(b, KVH, R, T, half, bloc
         assert rel_error(got, expected, floor=floor) < 1e-10
 
 
+@settings(max_examples=25)
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 9), st.integers(0, 6),
+       st.integers(1, 6), st.integers(0, 1000))
+def test_block_causal_attention_after_cached_positions_with_a_bias_equals_the_reference_op(b, KVH, R, T, start,
+                                                                                            block, seed):
+    """The prefill's forward: T queries after `start` cached keys, a -inf bias on some keys."""
+    rng = np.random.default_rng(seed)
+    H, Dh, S = KVH * R, 4, start + T
+    q, k, v = rng.standard_normal((b, H, T, Dh)), rng.standard_normal((b, KVH, S, Dh)), rng.standard_normal((b, KVH, S, Dh))
+    allowed = np.tril(np.ones((T, S), bool), k=start)[None] & (rng.random((b, 1, S)) < 0.7)
+    allowed |= np.eye(T, S, k=start, dtype=bool)[None]                 # every query keeps its own key
+    expected, _ = attention_forward(q, k, v, allowed)
+    q_rows = (q / math.sqrt(Dh)).reshape(b, KVH, R, T, Dh).transpose(0, 1, 3, 2, 4).reshape(b, KVH, T * R, Dh)
+    v1 = np.concatenate([v, np.ones((b, KVH, S, 1))], axis=-1)
+    out = np.empty((b, T, KVH, R, Dh))
+    bias = np.where(allowed, 0.0, -np.inf)[:, None]
+    attention.attention_forward(q_rows, k, v1, out.transpose(0, 2, 1, 3, 4), block=block, start=start, bias=bias)
+    assert rel_error(out, expected.reshape(b, KVH, R, T, Dh).transpose(0, 3, 1, 2, 4)) < 1e-12
+
+
+def test_rmsnorm_fused_equals_the_reference_op():
+    rng = np.random.default_rng(0)
+    x, w, dy = rng.standard_normal((9, 16)), rng.standard_normal(16), rng.standard_normal((9, 16))
+    y, cache = rmsnorm_forward(x, w, 1e-5)
+    rstd = fused.rms_rstd(x, 1e-5)
+    assert rel_error(x * rstd * w, y) < 1e-14
+    dx, dw = rmsnorm_backward(dy, cache)
+    got_dx, got_dw = fused.rms_backward(dy.copy(), x, rstd, w)
+    assert rel_error(got_dx, dx) < 1e-13 and rel_error(got_dw, dw) < 1e-13
+
+
+def test_sigmoid_fused_equals_the_reference_op_and_saturates_quietly():
+    a = np.concatenate([np.linspace(-30, 30, 101), [-1000.0, 1000.0]])
+    with np.errstate(all="raise"):
+        got = fused.sigmoid(a)
+    assert rel_error(got, sigmoid(a)) < 1e-14 and got[-2] == 0.0 and got[-1] == 1.0
+
+
 def test_cross_entropy_in_place_equals_the_reference_op():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((7, 11)) * 5
     targets = rng.integers(0, 11, 7)
     targets[[1, 4]] = -100
-    expected_loss, cache = npllama.ops.cross_entropy_forward(logits, targets, normalizer=9)
-    expected = npllama.ops.cross_entropy_backward(1.0, cache)
-    loss, dlogits = training.cross_entropy_in_place(logits.copy(), targets, 9)
+    expected_loss, cache = cross_entropy_forward(logits, targets)
+    expected = cross_entropy_backward(1.0, cache)
+    loss, dlogits = fused.cross_entropy_in_place(logits.copy(), targets, 5)
     assert loss == pytest.approx(expected_loss, rel=1e-14)
     assert rel_error(dlogits, expected) < 1e-14 and not dlogits[[1, 4]].any()
 
 
 @pytest.mark.parametrize("vocab", [5, 300])          # the one-hot GEMM and the sorted sums
-def test_embedding_rows_add_up_with_repeated_ids(vocab):
+def test_embedding_rows_add_up_with_repeated_ids_as_the_reference_op(vocab):
     rng = np.random.default_rng(vocab)
     ids = rng.integers(0, 4, 50)
     rows = rng.standard_normal((50, 3))
-    expected = np.zeros((vocab, 3))
-    np.add.at(expected, ids, rows)
-    np.testing.assert_allclose(training.add_rows(np.zeros((vocab, 3)), ids, rows), expected, rtol=1e-13)
+    _, cache = embedding_forward(ids[None], np.zeros((vocab, 3)))
+    expected = embedding_backward(rows[None], cache)
+    np.testing.assert_allclose(fused.add_rows(np.zeros((vocab, 3)), ids, rows), expected, rtol=1e-13)
 
 
 def test_init_draws_in_chunks_give_the_one_shot_values(monkeypatch):

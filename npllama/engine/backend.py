@@ -1,0 +1,67 @@
+"""EngineBackend: the seam's fast side (npllama/backend.py), what npllama.Llama runs by default.
+
+The same four things as the reference's backend, each from the engine:
+
+    forward          passes.forward (sharded rows, the one block, nothing kept)
+    loss_and_grads   passes.loss_and_grads (full or LoRA, with or without checkpointing)
+    optimizer        adamw.FusedAdamW (optim.AdamW bit for bit, in chunks on threads)
+    decoder          decode.EngineDecoder (a prefill through passes.forward, fused steps)
+
+and new models' parameters as views of one flat array (layout.py), which the training pass
+reads and writes without copies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import LlamaConfig
+from .adamw import FusedAdamW
+from .cache import DecodeCache
+from .decode import EngineDecoder
+from .layout import FlatLayout, flat_params
+from .passes import forward, loss_and_grads
+from .shards import pass_footprint
+
+
+class EngineBackend:
+    """npllama's fast backend (module docstring); tested equal to backend.ReferenceBackend."""
+
+    name = "engine"
+
+    def new_params(self, config: LlamaConfig, dtype) -> dict:
+        """Uninitialised parameters as views of one new flat array (layout.FlatLayout order)."""
+        return flat_params(config, dtype)
+
+    def lay_out(self, params: dict, config: LlamaConfig) -> dict:
+        """params as views of one flat array: themselves when they are already, else copied into a new one."""
+        layout = FlatLayout(config)
+        if layout.base_of(params) is not None:
+            return params
+        flat = layout.views(layout.new(params["tok_embeddings.weight"].dtype))
+        for name, view in flat.items():
+            view[...] = params[name]
+        return flat
+
+    def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype) -> DecodeCache:
+        return DecodeCache(config.n_layers, batch_size, config.n_kv_heads, config.max_seq_len, config.head_dim, dtype)
+
+    def forward(self, params, config, rope, tokens, *, kv_cache=None, start_pos=0, mask=None, lora=None,
+                workers=None) -> np.ndarray:
+        return forward(params, config, rope, tokens, kv_cache=kv_cache, start_pos=start_pos, mask=mask, lora=lora,
+                       workers=workers)
+
+    def loss_and_grads(self, params, config, rope, tokens, targets, *, lora=None, checkpointing=False,
+                       workers=None):
+        return loss_and_grads(params, config, rope, tokens, targets, lora=lora, checkpointing=checkpointing,
+                              workers=workers)
+
+    def optimizer(self, params, **hyper) -> FusedAdamW:
+        return FusedAdamW(params, **hyper)
+
+    def decoder(self, params, config, rope, batch_size: int) -> EngineDecoder:
+        return EngineDecoder(params, config, rope, batch_size)
+
+    def pass_footprint(self, batch_size: int, seq_len: int, dim: int, workers=None) -> tuple[int, int]:
+        """(rows whose activations are alive at once, shards whose gradients are summed): shards.pass_footprint."""
+        return pass_footprint(batch_size, seq_len, dim, workers)

@@ -1,0 +1,114 @@
+"""The reference's element-wise ops, fused into fewer passes over 2-D activations (N, D).
+
+Each function here computes what an op of npllama/ops computes, named in its docstring, and
+tests/engine/test_fused.py holds it equal to that op (float64, 1e-12):
+
+    row_dot                  sum(a * b) over the last axis, kept: one ufunc call
+    rms_rstd                 ops.rmsnorm's r = (mean(x**2) + eps) ** -0.5
+    rms_backward             ops.rmsnorm_backward, given x and r, written over dy
+    sigmoid                  ops.swiglu.sigmoid, through exp2
+    cross_entropy_in_place   ops.cross_entropy_forward and _backward at once, over the logits
+    add_rows                 ops.embedding_backward's scatter-add, by a one-hot GEMM or a sort
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from ..ops import IGNORE_INDEX
+
+LOG2_E = 1.0 / math.log(2.0)
+# Up to this vocabulary the embedding's gradient is summed by a one-hot GEMM (2 V N D flops);
+# above, by sorting the ids (70 ms against 3 ms at V = 6144, D = 768, N = 512).
+ONE_HOT_MAX_VOCAB = 128
+
+# row_dot(a, b): sum(a * b) over the last axis, kept, (N, D) -> (N, 1). np.vecdot (NumPy >= 2.0) is
+# one ufunc call, half of einsum's time at D = 64; NumPy 1.x gets the einsum.
+if hasattr(np, "vecdot"):
+    row_dot = functools.partial(np.vecdot, keepdims=True)
+else:
+    def row_dot(a, b):
+        return np.einsum("...d,...d->...", a, b)[..., None]
+
+
+def rms_rstd(x, eps):
+    """r = (mean(x**2) + eps) ** -0.5 of each row, as ops.rmsnorm_forward: (N, D) -> (N, 1)."""
+    r = row_dot(x, x)
+    r *= 1.0 / x.shape[1]
+    r += eps
+    np.sqrt(r, out=r)
+    return np.divide(1.0, r, out=r)
+
+
+def rms_backward(dy, x, rstd, weight):
+    """ops.rmsnorm_backward with the input and r given: (dx, dweight), dx written over dy.
+
+    n = x r,  dweight = sum over rows of dy n,  g = dy w,  dx = r (g - n mean(g n)).
+    Shapes: dy, x (N, D); rstd (N, 1); weight (D,) -> dx (N, D), dweight (D,)
+    """
+    n = x * rstd
+    dweight = np.einsum("nd,nd->d", dy, n)
+    dy *= weight
+    mean_gn = row_dot(dy, n)
+    mean_gn *= 1.0 / x.shape[1]
+    n *= mean_gn
+    dy -= n
+    dy *= rstd
+    return dy, dweight
+
+
+def sigmoid(a):
+    """ops.swiglu.sigmoid, 1 / (1 + exp(-a)), as a new array, with exp(-a) as exp2(-a log2(e)):
+    NumPy's exp2 takes half the time of its exp (though far more where it underflows, which here
+    takes a > 87), and its divide half that of its reciprocal. (exp2 overflowing to inf gives the
+    right limit, 0; underflowing to 0, the right limit 1.)"""
+    s = np.multiply(a, -LOG2_E)
+    with np.errstate(over="ignore", under="ignore"):
+        np.exp2(s, out=s)
+    s += 1.0
+    return np.divide(1.0, s, out=s)
+
+
+def cross_entropy_in_place(logits, targets, n_valid):
+    """ops.cross_entropy_forward and cross_entropy_backward(1.0) at once, the gradient over the logits.
+
+    loss = (1/n) sum over valid rows of (logsumexp(z) - z_y);  dz = (softmax(z) - onehot(y)) / n
+    on valid rows, 0 on ignored ones. n_valid: n, the count of valid targets of the whole batch
+    (a shard of it passes the batch's, so the shards' losses and gradients add up).
+    logits (N, V) float, targets (N,) ids or -100. Returns: loss (python float), dlogits (the logits' array).
+    """
+    N = logits.shape[0]
+    picked_rows = np.flatnonzero(targets != IGNORE_INDEX)
+    picked_ids = targets[picked_rows]
+    row_max = logits.max(axis=1, keepdims=True)
+    picked = logits[picked_rows, picked_ids]
+    logits -= row_max
+    np.exp(logits, out=logits)
+    sums = logits @ np.ones((logits.shape[1], 1), dtype=logits.dtype)  # (N, V) -> (N, 1), faster than sum
+    lse = row_max[picked_rows, 0] + np.log(sums[picked_rows, 0])
+    loss = float((lse - picked).sum(dtype=np.float64) / n_valid)
+    # softmax / n on valid rows, 0 on the others; then the one-hot term
+    scale = np.zeros((N, 1), dtype=logits.dtype)
+    scale[picked_rows] = (1.0 / n_valid) / sums[picked_rows]
+    logits *= scale
+    logits[picked_rows, picked_ids] -= logits.dtype.type(1.0 / n_valid)
+    return loss, logits
+
+
+def add_rows(dst, ids, rows):
+    """ops.embedding_backward's scatter-add into dst: dst[ids[j]] += rows[j] for every j, repeated
+    ids summed. dst (V, D), ids (N,), rows (N, D). Returns dst."""
+    V = dst.shape[0]
+    if V <= ONE_HOT_MAX_VOCAB:
+        one_hot = np.zeros((V, len(ids)), dtype=rows.dtype)
+        one_hot[ids, np.arange(len(ids))] = 1
+        dst += one_hot @ rows                                             # (V, N) @ (N, D)
+        return dst
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    dst[sorted_ids[starts]] += np.add.reduceat(rows[order], starts, axis=0)
+    return dst
