@@ -16,7 +16,7 @@ benchmarks race.
 The same model decodes with a KV cache (new_kv_caches, generate_greedy), for bench_decode.
 
     model = TorchLlama.from_params(cfg, params)        # a copy of npllama's weights, in their dtype
-    loss = model(tokens, targets); loss.backward()     # training
+    loss = model(tokens, targets); loss.backward()     # training, with adamw(model, ...)
     logits = model(tokens)                             # (B, T, V)
 """
 
@@ -186,6 +186,15 @@ class TorchLlama(nn.Module):
         shape = (batch_size, c.n_kv_heads, c.max_seq_len, c.head_dim)
         return [(torch.zeros(shape, dtype=self.cos.dtype), torch.zeros(shape, dtype=self.cos.dtype))
                 for _ in range(c.n_layers)]
+
+
+def adamw(model, lr, betas, eps, weight_decay):
+    """torch.optim.AdamW decaying the matrices only (two parameter groups), as npllama's AdamW does
+    (nanoGPT's configure_optimizers)."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": weight_decay},
+                              {"params": vectors, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
 
 
 def generate_greedy(model, prompt, max_new_tokens):
