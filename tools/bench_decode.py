@@ -11,14 +11,16 @@ prefill then one token a step, 256 new tokens (fewer where max_seq_len ends soon
 prefill plus decode: npllama through npllama.generate.generate_batch, as `npllama generate` and
 Llama.generate run it, with the engine's own thread choices ("auto": every BLAS thread for the
 GEMMs of a batch on a large model and of a long prompt, one elsewhere) and, where those use more
-than one core, also everything on one thread (1T), the better counted; PyTorch eager (Meta's model.py
-layout, preallocated KV cache, F.scaled_dot_product_attention, torch.inference_mode) on the
-same float32 weights, with 1 and with 2 threads, the better counted, in a subprocess of its own
-(torch's OpenMP threads spin after each call and would slow NumPy's BLAS in the same process);
-run.c, when --runc gives its path, on a llama2.c .bin of the same weights with OMP_NUM_THREADS
-1 and 2 (its own "achieved tok/s"; the 2-thread figure is printed on its own line too). The tool checks that npllama and PyTorch pick the same tokens. The
-sides take turns (--repeats rounds, interleaved) and the medians are reported, with the 1-minute
-load average each row ran under: on a shared machine every figure moves with the load.
+than one core, also everything on one thread (1T), the better counted; PyTorch eager
+(tools/torch_llama.py: Meta's model.py layout, preallocated KV cache,
+F.scaled_dot_product_attention, torch.inference_mode) on the same float32 weights, with 1 and
+with 2 threads, the better counted, in a subprocess of its own (torch's OpenMP threads spin
+after each call and would slow NumPy's BLAS in the same process); run.c, when --runc gives its
+path, on a llama2.c .bin of the same weights with OMP_NUM_THREADS 1 and 2 (its own "achieved
+tok/s"; the 2-thread figure is printed on its own line too). The tool checks that npllama and
+PyTorch pick the same tokens. The sides take turns (--repeats rounds, interleaved) and the
+medians are reported, with the 1-minute load average each row ran under: on a shared machine
+every figure moves with the load.
 
 Roofline. A batch-1 decode step reads every weight once, so its speed is bound by memory
 bandwidth: GB/s = (bytes of weights read per step) x (steps/s). The tool measures the bandwidth
@@ -68,7 +70,7 @@ from npllama.engine.blas import blas_threads, get_blas_threads  # noqa: E402
 from npllama.generate import generate, generate_batch  # noqa: E402
 from npllama.io.llama2c import llama2c_layout  # noqa: E402
 from npllama.model import init_params  # noqa: E402
-from tools.benchkit import PEER_THREADS, load_average, memory_status, run_worker  # noqa: E402
+from tools.benchkit import PEER_THREADS, load_average, memory_status, run_worker, torch_version  # noqa: E402
 
 SHAPES = {
     "stories260K": dict(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, hidden_dim=172, max_seq_len=512),
@@ -514,13 +516,11 @@ def main(argv=None) -> int:
         args.cases, args.batches, args.new_tokens, args.repeats = ["stories260K", "8M"], [1, 4], 32, 1
     biggest = args.cases[-1] if args.quick else "110M"
     torch_side = None
-    if not args.no_torch:
-        try:
-            import torch
-            torch_side = TorchSide()
-            print(f"torch {torch.__version__} (its own process)")
-        except ImportError:
-            print("torch is not installed: npllama alone (pip install -e '.[torch]' for the comparison)")
+    if not args.no_torch and torch_version() is None:
+        print("torch is not installed: npllama alone (pip install -e '.[torch]' for the comparison)")
+    elif not args.no_torch:
+        torch_side = TorchSide()
+        print(f"torch {torch_version()} (its own process)")
     print(f"npllama {npllama.__version__}, NumPy {np.__version__}, BLAS threads {get_blas_threads()}, "
           f"{os.cpu_count()} CPUs; load average {load_average():.2f}", flush=True)
     try:

@@ -8,9 +8,9 @@ embeddings; random weights), times one optimizer step of
            optimizer state): npllama.llama.LoraLlama against plain PyTorch LoRA modules
            (x W^T + s (x A^T) B^T, W with requires_grad=False, PEFT's init)
 
-and measures each side's peak resident memory during the steps. Every (side, mode) runs in its
-own process, so peaks do not mix; the processes take turns (--repeats rounds, medians
-reported). Each side gets its better of 1 and 2 threads (npllama: batch shards and BLAS
+and measures each side's peak resident memory during the steps. Every (side, mode, threads)
+runs in a process of its own (with --quick, all in this one), so peaks do not mix; the
+processes take turns (--repeats rounds, medians reported). Each side gets its better of 1 and 2 threads (npllama: batch shards and BLAS
 threads; PyTorch: torch.set_num_threads), as the other benchmarks give PyTorch. Memory is the
 process's peak RSS (VmHWM) over the timed steps, after the model is built (init's temporaries
 handed back to the OS on both sides), against the base weights' bytes.
@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # npllama and tools/ from a checkout
 
 from tools.benchkit import (MB, PEER_THREADS, load_averages, median_seconds, memory_status,  # noqa: E402
-                            reset_peak_rss, run_worker, threads_label)
+                            reset_peak_rss, run_worker, threads_label, torch_version)
 
 SHAPES = {
     "110m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, tie_embeddings=True),
@@ -190,15 +190,10 @@ def main(argv=None):
         return 0
     if args.quick:
         args.shape, args.batch, args.seq, args.steps, args.repeats = "quick", 4, 64, 2, 1
-    try:
-        import torch
-        use_torch = not args.no_torch
-        torch_version = torch.__version__
-    except ImportError:
-        use_torch, torch_version = False, "not installed"
+    use_torch = torch_version() is not None and not args.no_torch
     import npllama
     cfg = npllama.LlamaConfig(**SHAPES[args.shape], max_seq_len=args.seq)
-    print(f"numpy {np.__version__}, torch {torch_version}, {os.cpu_count()} cores, load average {load_averages()}")
+    print(f"numpy {np.__version__}, torch {torch_version() or 'not installed'}, {os.cpu_count()} cores, load average {load_averages()}")
     print(f"shape {args.shape}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, vocab {cfg.vocab_size}, "
           f"{'tied' if cfg.tie_embeddings else 'untied'} ({cfg.n_params() / 1e6:.1f}M params, "
           f"{cfg.n_params() * 4 / MB:.0f} MB float32); batch {args.batch} x {args.seq} tokens; LoRA rank "

@@ -16,7 +16,8 @@ from the other side is paid there: waking thread pools, refilling caches), then 
 npllama runs with its defaults and with workers=1, PyTorch with 1 and 2 threads, and each
 side's faster setting counts: the median over rounds of its time per step, as tokens/s.
 
-Memory: each side alone in a fresh process of its own (this script with --memory-probe). Model
+Memory: each side alone in a fresh process of its own (this script with --memory-probe; with
+--quick the two processes run at the same time: they share the CPUs, not their memory). Model
 creation: the peak resident memory while the model is built, minus the resident memory after
 the imports and a warm-up on a tiny model (which pages the libraries' code in). Training: the
 peak while the optimizer is built and two steps run, minus the resident memory after the model
@@ -49,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # npllama and tool
 import npllama  # noqa: E402
 from npllama.engine import FusedAdamW  # noqa: E402
 from tools.benchkit import (MB, PEER_THREADS, calls_per_turn, can_reset_peak_rss, load_averages,  # noqa: E402
-                            memory_status, reset_peak_rss, start_worker, take_turns, threads_label, worker_result)
+                            memory_status, reset_peak_rss, start_worker, take_turns, threads_label, torch_version,
+                            worker_result)
 
 # name -> (LlamaConfig fields, batch B, sequence T)
 CONFIGS = {
@@ -197,12 +199,8 @@ def main(argv=None) -> int:
     configs = QUICK_CONFIGS if args.quick else {n: CONFIGS[n] for n in args.configs}
     rounds = args.rounds or (3 if args.quick else 7)
     turn = args.turn or (0.2 if args.quick else 1.0)
-    try:
-        import torch
-        use_torch = not args.no_torch
-    except ImportError:
-        use_torch = False
-    print(f"numpy {np.__version__}, torch {torch.__version__ if use_torch else 'not used'}, "
+    use_torch = torch_version() is not None and not args.no_torch
+    print(f"numpy {np.__version__}, torch {torch_version() if use_torch else 'not used'}, "
           f"{os.cpu_count()} cpus; a step = forward + backward + clip + AdamW; {rounds} rounds; "
           "tokens/s: median, each side's faster setting", flush=True)
     for name, (kw, B, T) in configs.items():

@@ -9,6 +9,7 @@ Workers in fresh processes (so that peaks and thread pools never mix) answer wit
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import statistics
@@ -28,6 +29,15 @@ def load_average() -> float:
 def load_averages() -> str:
     """The 1-, 5- and 15-minute load averages, as printed: "1.02 1.20 1.31"."""
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def torch_version() -> str | None:
+    """The installed torch's version, or None without torch (the benchmarks then measure npllama
+    alone). Read from its package metadata: importing torch here would start its thread pools."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def threads_label(n: int) -> str:
