@@ -120,14 +120,9 @@ def test_stories260k_greedy_continuation_matches_pytorch(tmp_path):
         out = hf.generate(torch.tensor([[1]]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
                           eos_token_id=None, pad_token_id=0)
     assert out[0, 1:].tolist() == ours
-    # and Meta's own formulation (tests/torch_reference.py), which needs no permutation at all
-    from .torch_reference import torch_forward
-    P = {k: torch.from_numpy(v) for k, v in model.params.items()}
-    ids = [1]
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(torch_forward(P, model.config, torch.tensor([ids]))[0, -1].argmax()))
-    assert ids[1:] == ours
+    # and Meta's own formulation (tools/torch_llama.py), which needs no permutation at all
+    from tools.torch_llama import TorchLlama, generate_greedy
+    assert generate_greedy(TorchLlama.from_params(model.config, model.params), [[1]], n)[0].tolist() == ours
 
 
 def test_a_transformers_5_folder_with_only_tokenizer_json_generates_from_text(tmp_path):

@@ -59,7 +59,7 @@ def test_every_adapter_entry_against_central_differences(cfg, rank, target_list,
 @given(configs(), st.integers(1, 4), targets, st.integers(0, 1000))
 def test_logits_loss_and_adapter_grads_match_torch_autograd(cfg, rank, target_list, seed):
     torch = pytest.importorskip("torch", reason="torch not installed: pip install -e '.[torch]'")
-    from .torch_reference import torch_forward
+    from tools.torch_llama import TorchLlama, cross_entropy
     spec = lora.LoraSpec(rank=rank, alpha=float(rank + 2), targets=tuple(target_list))
     params, adapters = adapted(cfg, spec, seed)
     tokens, targets_ = tokens_and_targets(cfg, 2, 5, seed)
@@ -70,9 +70,8 @@ def test_logits_loss_and_adapter_grads_match_torch_autograd(cfg, rank, target_li
         if name.endswith(".lora_a"):
             stem = name.removesuffix(".lora_a")
             P[stem + ".weight"] = P[stem + ".weight"] + spec.scale * A[stem + ".lora_b"] @ A[name]
-    logits = torch_forward(P, cfg, torch.tensor(tokens))
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), torch.tensor(targets_).reshape(-1),
-                                             ignore_index=-100)
+    logits = torch.func.functional_call(TorchLlama(cfg, torch.float64), P, (torch.tensor(tokens),))
+    loss = cross_entropy(logits, torch.tensor(targets_))
     loss.backward()
     assert rel_error(lora.forward(params, adapters, cfg, spec, tokens), logits.detach().numpy()) < 1e-10
     ours_loss, grads = lora.loss_and_grads(params, adapters, cfg, spec, tokens, targets_)

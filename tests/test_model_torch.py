@@ -7,7 +7,7 @@ import npllama
 from npllama.gradcheck import rel_error
 
 torch = pytest.importorskip("torch")
-from .torch_reference import torch_logits_loss_grads  # noqa: E402
+from tools.torch_llama import TorchLlama, cross_entropy  # noqa: E402
 
 CONFIGS = {
     "mha": dict(dim=32, n_layers=2, n_heads=4, vocab_size=50),
@@ -27,6 +27,16 @@ def make_case(kw, dtype, seed=0):
     targets = rng.integers(0, cfg.vocab_size, (3, 13))
     targets[rng.random(targets.shape) < 0.25] = -100
     return model, tokens, targets
+
+
+def torch_logits_loss_grads(params, cfg, tokens, targets):
+    """(logits, loss, grads) as numpy, by torch autograd on tools/torch_llama.py in the params' dtype."""
+    tmodel = TorchLlama.from_params(cfg, params)
+    logits = tmodel(torch.from_numpy(tokens))
+    loss = cross_entropy(logits, torch.from_numpy(targets))
+    loss.backward()
+    grads = {name: p.grad.numpy() for name, p in tmodel.named_parameters()}
+    return logits.detach().numpy(), loss.item(), grads
 
 
 def compare(model, tokens, targets, tol):

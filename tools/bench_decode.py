@@ -11,14 +11,16 @@ prefill then one token a step, 256 new tokens (fewer where max_seq_len ends soon
 prefill plus decode: npllama through npllama.generate.generate_batch, as `npllama generate` and
 Llama.generate run it, with the engine's own thread choices ("auto": every BLAS thread for the
 GEMMs of a batch on a large model and of a long prompt, one elsewhere) and, where those use more
-than one core, also everything on one thread (1T), the better counted; PyTorch eager (Meta's model.py
-layout, preallocated KV cache, F.scaled_dot_product_attention, torch.inference_mode) on the
-same float32 weights, with 1 and with 2 threads, the better counted, in a subprocess of its own
-(torch's OpenMP threads spin after each call and would slow NumPy's BLAS in the same process);
-run.c, when --runc gives its path, on a llama2.c .bin of the same weights with OMP_NUM_THREADS
-1 and 2 (its own "achieved tok/s"; the 2-thread figure is printed on its own line too). The tool checks that npllama and PyTorch pick the same tokens. The
-sides take turns (--repeats rounds, interleaved) and the medians are reported, with the 1-minute
-load average each row ran under: on a shared machine every figure moves with the load.
+than one core, also everything on one thread (1T), the better counted; PyTorch eager
+(tools/torch_llama.py: Meta's model.py layout, preallocated KV cache,
+F.scaled_dot_product_attention, torch.inference_mode) on the same float32 weights, with 1 and
+with 2 threads, the better counted, in a subprocess of its own (torch's OpenMP threads spin
+after each call and would slow NumPy's BLAS in the same process); run.c, when --runc gives its
+path, on a llama2.c .bin of the same weights with OMP_NUM_THREADS 1 and 2 (its own "achieved
+tok/s"; the 2-thread figure is printed on its own line too). The tool checks that npllama and
+PyTorch pick the same tokens. The sides take turns (--repeats rounds, interleaved) and the
+medians are reported, with the 1-minute load average each row ran under: on a shared machine
+every figure moves with the load.
 
 Roofline. A batch-1 decode step reads every weight once, so its speed is bound by memory
 bandwidth: GB/s = (bytes of weights read per step) x (steps/s). The tool measures the bandwidth
@@ -60,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))                      # npllama and tools/ from a checkout
 
 import npllama  # noqa: E402
 from npllama.engine import decode  # noqa: E402
@@ -68,6 +70,7 @@ from npllama.engine.blas import blas_threads, get_blas_threads  # noqa: E402
 from npllama.generate import generate, generate_batch  # noqa: E402
 from npllama.io.llama2c import llama2c_layout  # noqa: E402
 from npllama.model import init_params  # noqa: E402
+from tools.benchkit import PEER_THREADS, load_average, memory_status, run_worker, torch_version  # noqa: E402
 
 SHAPES = {
     "stories260K": dict(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, hidden_dim=172, max_seq_len=512),
@@ -80,11 +83,6 @@ SHAPES = {
 PROMPT_LEN = 8
 RUNC_PROMPT = "Once upon a time"
 BIG7B_DISK_BYTES = 14 << 30           # the float16 file (13.5 GB) and a margin
-
-
-def load_average() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
 
 
 def default_models_dir() -> Path:
@@ -199,124 +197,30 @@ def matvec_bandwidth(total_bytes: int, repeats: int = 3) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- PyTorch, in its own process
 
-def torch_model(model):
-    """A PyTorch eager LLaMA-2 holding `model`'s weights (float32), with a KV-cached step."""
-    import torch
-    import torch.nn.functional as F
-
-    cfg = model.config
-    P = {name: torch.from_numpy(np.array(a, dtype=np.float32)) for name, a in model.params.items()}
-    if cfg.tie_embeddings:
-        P["output.weight"] = P["tok_embeddings.weight"]
-    H, KVH, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, Dh, 2, dtype=torch.float64) / Dh)
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
-    freqs_cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)   # (P, Dh/2)
-
-    class RMSNorm(torch.nn.Module):
-        def __init__(self, weight):
-            super().__init__()
-            self.weight = torch.nn.Parameter(weight, requires_grad=False)
-
-        def forward(self, x):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * self.weight
-
-    def linear(name):
-        layer = torch.nn.Linear(*P[name].shape[::-1], bias=False)
-        layer.weight = torch.nn.Parameter(P[name], requires_grad=False)
-        return layer
-
-    def rope(x, freqs):  # Meta model.py apply_rotary_emb: pairs (2i, 2i+1) as complex numbers
-        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        return torch.view_as_real(xc * freqs[None, :, None, :]).flatten(3)
-
-    class Block(torch.nn.Module):
-        def __init__(self, i):
-            super().__init__()
-            pre = f"layers.{i}."
-            self.attention_norm = RMSNorm(P[pre + "attention_norm.weight"])
-            self.ffn_norm = RMSNorm(P[pre + "ffn_norm.weight"])
-            self.wq, self.wk, self.wv, self.wo = (linear(pre + f"attention.{n}.weight") for n in ("wq", "wk", "wv", "wo"))
-            self.w1, self.w2, self.w3 = (linear(pre + f"feed_forward.{n}.weight") for n in ("w1", "w2", "w3"))
-
-        def forward(self, x, freqs, cache, start_pos):
-            B, T, _ = x.shape
-            xn = self.attention_norm(x)
-            q = self.wq(xn).view(B, T, H, Dh)
-            k = self.wk(xn).view(B, T, KVH, Dh)
-            v = self.wv(xn).view(B, T, KVH, Dh)
-            q, k = rope(q, freqs), rope(k, freqs)
-            k_cache, v_cache = cache
-            k_cache[:, :, start_pos:start_pos + T] = k.transpose(1, 2)
-            v_cache[:, :, start_pos:start_pos + T] = v.transpose(1, 2)
-            keys, values = k_cache[:, :, :start_pos + T], v_cache[:, :, :start_pos + T]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=T > 1,
-                                                 enable_gqa=H != KVH)
-            h = x + self.wo(out.transpose(1, 2).reshape(B, T, H * Dh))
-            hn = self.ffn_norm(h)
-            return h + self.w2(F.silu(self.w1(hn)) * self.w3(hn))
-
-    class Llama(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok_embeddings = torch.nn.Embedding.from_pretrained(P["tok_embeddings.weight"])
-            self.layers = torch.nn.ModuleList(Block(i) for i in range(cfg.n_layers))
-            self.norm = RMSNorm(P["norm.weight"])
-            self.output = linear("output.weight")
-
-        def forward(self, tokens, caches, start_pos):
-            T = tokens.shape[1]
-            freqs = freqs_cis[start_pos:start_pos + T]
-            h = self.tok_embeddings(tokens)
-            for layer, cache in zip(self.layers, caches):
-                h = layer(h, freqs, cache, start_pos)
-            return self.output(self.norm(h[:, -1]))                  # logits of the last position
-
-        def new_caches(self, B):
-            shape = (B, KVH, cfg.max_seq_len, Dh)
-            return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.n_layers)]
-
-    return Llama().eval()
-
-
-def torch_generate(tmodel, prompt: np.ndarray, max_new_tokens: int) -> np.ndarray:
-    """Greedy KV-cached decode: prompt (B, P) -> new ids (B, max_new_tokens)."""
-    import torch
-    with torch.inference_mode():
-        tokens = torch.from_numpy(prompt)
-        caches = tmodel.new_caches(tokens.shape[0])
-        logits = tmodel(tokens, caches, 0)
-        pos, out = tokens.shape[1], []
-        for i in range(max_new_tokens):
-            nxt = logits.argmax(-1, keepdim=True)
-            out.append(nxt)
-            if i + 1 < max_new_tokens:
-                logits = tmodel(nxt, caches, pos)
-                pos += 1
-        return torch.cat(out, dim=1).numpy()
-
-
 def torch_worker() -> int:
     """Serve timing requests, one JSON line each on stdin: {path, prompt, new_tokens, threads}; reply
     {seconds, tokens}. Models stay loaded between requests."""
     import torch
+    from tools.torch_llama import TorchLlama, generate_greedy
     models = {}
     print("ready", flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         if job["path"] not in models:
-            models[job["path"]] = torch_model(npllama.load(job["path"]))
+            model = npllama.load(job["path"])
+            models[job["path"]] = TorchLlama.from_params(model.config, model.params, torch.float32).eval()
         torch.set_num_threads(job["threads"])
         prompt = np.array(job["prompt"], dtype=np.int64)
         start = time.perf_counter()
-        tokens = torch_generate(models[job["path"]], prompt, job["new_tokens"])
+        tokens = generate_greedy(models[job["path"]], prompt, job["new_tokens"])
         seconds = time.perf_counter() - start
         print(json.dumps({"seconds": seconds, "tokens": tokens.tolist()}), flush=True)
     return 0
 
 
 class TorchSide:
-    """The PyTorch worker process, started on first use; None when torch is not installed."""
+    """The PyTorch worker process (torch_worker), started here and serving every request (main holds
+    None instead with --no-torch or without torch)."""
 
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, __file__, "--torch-worker"], stdin=subprocess.PIPE,
@@ -393,12 +297,12 @@ def decode_round(row: Row, torch_side, runc):
             generate_batch(row.model, list(row.prompt), n)
             row.add("npllama 1T", B * n / (time.perf_counter() - start))
     if torch_side is not None:
-        for threads in (1, 2):
+        for threads in PEER_THREADS:
             seconds, theirs = torch_side.run(row.path, row.prompt, n, threads)
             row.add(f"torch {threads}T", B * n / seconds)
         row.agree.append(float((ours == theirs).mean()))
     if runc is not None and B == 1 and "bin" in row.files:
-        for threads in (1, 2):
+        for threads in PEER_THREADS:
             row.add(f"run.c {threads}T", runc_tokens_per_second(runc, row.files, min(PROMPT_LEN + n, row.model.config.max_seq_len),
                                                                 threads))
 
@@ -454,7 +358,7 @@ def prefill_rounds(path, model, tokens, repeats, torch_side):
             generate(model, prompt[0], 1)
             found.setdefault("npllama 1T", []).append(tokens / (time.perf_counter() - start))
         if torch_side is not None:
-            for threads in (1, 2):
+            for threads in PEER_THREADS:
                 seconds, _ = torch_side.run(path, prompt, 1, threads)
                 found.setdefault(f"torch {threads}T", []).append(tokens / seconds)
     medians = {side: statistics.median(v) for side, v in found.items()}
@@ -469,15 +373,11 @@ def prefill_rounds(path, model, tokens, repeats, torch_side):
 
 def load_worker(path: str, dtype: str, mmap: str) -> int:
     """Load one checkpoint in this fresh process and print what it cost, as one JSON line."""
-    def status():
-        with open("/proc/self/status") as f:
-            return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)
-                    if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
-    before = status()
+    before = memory_status()
     start = time.perf_counter()
     model = npllama.load(path, dtype=dtype, mmap=mmap == "mmap")
     seconds = time.perf_counter() - start
-    after = status()
+    after = memory_status()
     held = sum(a.nbytes for a in model.params.values())
     print(json.dumps({"seconds": seconds, "held": held, "rise": after["VmHWM"] - before["VmRSS"],
                       "anon": after["RssAnon"] - before["RssAnon"], "file": after["RssFile"] - before["RssFile"]}))
@@ -498,9 +398,7 @@ def memory_table(files: dict):
     print(f"  {'file -> held as':34s} {'seconds':>7s} {'held MB':>8s} {'peak rise MB':>12s} {'/ held':>7s} "
           f"{'anon MB':>8s} {'file MB':>8s}")
     for label, path, dtype, mmap in cases:
-        out = subprocess.run([sys.executable, __file__, "--load-worker", str(path), dtype, mmap],
-                             capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = run_worker(__file__, "--load-worker", str(path), dtype, mmap)
         print(f"  {label:34s} {r['seconds']:7.2f} {r['held'] / 2**20:8.0f} {r['rise'] / 2**20:12.0f} "
               f"{r['rise'] / r['held']:6.2f}x {r['anon'] / 2**20:8.0f} {r['file'] / 2**20:8.0f}")
 
@@ -552,9 +450,7 @@ def big7b_worker(path: str, new_tokens: str) -> int:
     for token in model.generate_stream([1, 450, 4996, 17354], int(new_tokens)):   # Llama 2's "The quick brown"
         ids.append(token)
         tick()
-    with open("/proc/self/status") as f:
-        status = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)
-                  if k in ("VmHWM", "RssAnon", "RssFile")}
+    status = {k: v for k, v in memory_status().items() if k in ("VmHWM", "RssAnon", "RssFile")}
     print(json.dumps({"load_s": loaded, "first_s": times[0], "step_s": statistics.median(times[1:]) if len(times) > 1
                       else times[0], "ids": ids, "held": sum(a.nbytes for a in model.params.values()), **status}))
     return 0
@@ -573,12 +469,11 @@ def big7b(models_dir: Path, new_tokens: int) -> None:
         write_7b_float16(path)
         print(f"\n7B float16: wrote {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s; "
               f"generating {new_tokens} tokens (load {load_average():.1f}) ...", flush=True)
-        out = subprocess.run([sys.executable, __file__, "--big7b-worker", str(path), str(new_tokens)],
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            print(f"7B: the run failed:\n{out.stderr[-2000:]}")
+        try:
+            r = run_worker(__file__, "--big7b-worker", str(path), str(new_tokens))
+        except RuntimeError as e:
+            print(f"7B: the run failed: {e}")
             return
-        r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"7B float16 (Llama 2 7B shape, {r['held'] / 1e9:.2f} GB held, mapped): load {r['load_s']:.1f} s, "
               f"prompt + first token {r['first_s']:.1f} s, then {1 / r['step_s']:.3f} tokens/s "
               f"({r['step_s']:.1f} s/token); peak RSS {r['VmHWM'] / 2**30:.2f} GiB (file pages "
@@ -621,13 +516,11 @@ def main(argv=None) -> int:
         args.cases, args.batches, args.new_tokens, args.repeats = ["stories260K", "8M"], [1, 4], 32, 1
     biggest = args.cases[-1] if args.quick else "110M"
     torch_side = None
-    if not args.no_torch:
-        try:
-            import torch
-            torch_side = TorchSide()
-            print(f"torch {torch.__version__} (its own process)")
-        except ImportError:
-            print("torch is not installed: npllama alone (pip install -e '.[torch]' for the comparison)")
+    if not args.no_torch and torch_version() is None:
+        print("torch is not installed: npllama alone (pip install -e '.[torch]' for the comparison)")
+    elif not args.no_torch:
+        torch_side = TorchSide()
+        print(f"torch {torch_version()} (its own process)")
     print(f"npllama {npllama.__version__}, NumPy {np.__version__}, BLAS threads {get_blas_threads()}, "
           f"{os.cpu_count()} CPUs; load average {load_average():.2f}", flush=True)
     try:

@@ -8,9 +8,9 @@ embeddings; random weights), times one optimizer step of
            optimizer state): npllama.llama.LoraLlama against plain PyTorch LoRA modules
            (x W^T + s (x A^T) B^T, W with requires_grad=False, PEFT's init)
 
-and measures each side's peak resident memory during the steps. Every (side, mode) runs in its
-own process, so peaks do not mix; the processes take turns (--repeats rounds, medians
-reported). Each side gets its better of 1 and 2 threads (npllama: batch shards and BLAS
+and measures each side's peak resident memory during the steps. Every (side, mode, threads)
+runs in a process of its own (with --quick, all in this one), so peaks do not mix; the
+processes take turns (--repeats rounds, medians reported). Each side gets its better of 1 and 2 threads (npllama: batch shards and BLAS
 threads; PyTorch: torch.set_num_threads), as the other benchmarks give PyTorch. Memory is the
 process's peak RSS (VmHWM) over the timed steps, after the model is built (init's temporaries
 handed back to the OS on both sides), against the base weights' bytes.
@@ -36,25 +36,16 @@ import json
 import math
 import os
 import statistics
-from functools import partial
-import subprocess
 import sys
-import time
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # npllama and tools/ from a checkout
 
-
-def best_time(fn, steps, warmup):
-    """The median seconds of `steps` calls of fn, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+from tools.benchkit import (MB, PEER_THREADS, load_averages, median_seconds, memory_status,  # noqa: E402
+                            reset_peak_rss, run_worker, threads_label, torch_version)
 
 SHAPES = {
     "110m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, tie_embeddings=True),
@@ -67,16 +58,7 @@ def release_and_reset_peak():
     """Hand freed heap pages back to the OS, then restart the kernel's peak-RSS counter (VmHWM)."""
     from npllama.engine.memory import release_freed_memory
     release_freed_memory()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return math.nan
+    reset_peak_rss()
 
 
 def timed_steps(step, warmup, steps):
@@ -84,7 +66,7 @@ def timed_steps(step, warmup, steps):
     for _ in range(warmup):
         step()
     release_and_reset_peak()
-    return best_time(step, steps, warmup=0), peak_rss_mb()
+    return median_seconds(step, steps), memory_status()["VmHWM"] / MB
 
 
 def batch(cfg, B, T):
@@ -114,14 +96,13 @@ def run_npllama(cfg, mode, B, T, rank, warmup, steps, threads, checkpointing):
         opt.step(grads)
 
     seconds, peak = timed_steps(step, warmup, steps)
-    return dict(seconds=seconds, peak_mb=peak, weight_mb=weight_bytes / 2**20, threads=threads)
+    return dict(seconds=seconds, peak_mb=peak, weight_mb=weight_bytes / MB, threads=threads)
 
 
 def run_torch(cfg, mode, B, T, rank, warmup, steps, threads, checkpointing):
     import torch
     import torch.nn as nn
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from torch_llama import TorchLlama
+    from tools.torch_llama import TorchLlama
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = TorchLlama(cfg)
@@ -161,7 +142,7 @@ def run_torch(cfg, mode, B, T, rank, warmup, steps, threads, checkpointing):
         opt.step()
 
     seconds, peak = timed_steps(step, warmup, steps)
-    return dict(seconds=seconds, peak_mb=peak, weight_mb=weight_bytes / 2**20, threads=threads)
+    return dict(seconds=seconds, peak_mb=peak, weight_mb=weight_bytes / MB, threads=threads)
 
 
 def run_here(args, side, mode, threads):
@@ -177,14 +158,10 @@ def measure(args, side, mode, threads):
     """One (side, mode, threads) measurement: in its own process, or in this one with --quick."""
     if args.quick:              # small shapes: the memory figures mean little, the startup would dominate
         return run_here(args, side, mode, threads)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--mode-one", mode, "--shape", args.shape,
-           "--batch", str(args.batch), "--seq", str(args.seq), "--rank", str(args.rank), "--warmup",
-           str(args.warmup), "--steps", str(args.steps), "--threads", str(threads)] + \
-        (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker(__file__, "--worker", side, "--mode-one", mode, "--shape", args.shape, "--batch", str(args.batch),
+                      "--seq", str(args.seq), "--rank", str(args.rank), "--warmup", str(args.warmup),
+                      "--steps", str(args.steps), "--threads", str(threads),
+                      *(["--gradient-checkpointing"] if args.gradient_checkpointing else []))
 
 
 def main(argv=None):
@@ -213,31 +190,25 @@ def main(argv=None):
         return 0
     if args.quick:
         args.shape, args.batch, args.seq, args.steps, args.repeats = "quick", 4, 64, 2, 1
-    try:
-        import torch
-        use_torch = not args.no_torch
-        torch_version = torch.__version__
-    except ImportError:
-        use_torch, torch_version = False, "not installed"
+    use_torch = torch_version() is not None and not args.no_torch
     import npllama
     cfg = npllama.LlamaConfig(**SHAPES[args.shape], max_seq_len=args.seq)
-    print(f"numpy {np.__version__}, torch {torch_version}, {os.cpu_count()} cores, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"numpy {np.__version__}, torch {torch_version() or 'not installed'}, {os.cpu_count()} cores, load average {load_averages()}")
     print(f"shape {args.shape}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, vocab {cfg.vocab_size}, "
           f"{'tied' if cfg.tie_embeddings else 'untied'} ({cfg.n_params() / 1e6:.1f}M params, "
-          f"{cfg.n_params() * 4 / 2**20:.0f} MB float32); batch {args.batch} x {args.seq} tokens; LoRA rank "
+          f"{cfg.n_params() * 4 / MB:.0f} MB float32); batch {args.batch} x {args.seq} tokens; LoRA rank "
           f"{args.rank} on {','.join(TARGETS)}{'; gradient checkpointing' if args.gradient_checkpointing else ''}")
     tokens = args.batch * args.seq
     for mode in args.modes.split(","):
         sides = ["npllama"] + (["torch"] if use_torch else [])
-        runs = {(side, threads): [] for side in sides for threads in (1, 2)}
+        runs = {(side, threads): [] for side in sides for threads in PEER_THREADS}
         for _ in range(args.repeats):
             for side, threads in runs:
                 runs[side, threads].append(measure(args, side, mode, threads))
 
         def best(side):
             """(seconds, peak MB, threads) of the side's faster thread count, medians over the repeats."""
-            threads = min((1, 2), key=lambda t: statistics.median(r["seconds"] for r in runs[side, t]))
+            threads = min(PEER_THREADS, key=lambda t: statistics.median(r["seconds"] for r in runs[side, t]))
             rs = runs[side, threads]
             return statistics.median(r["seconds"] for r in rs), statistics.median(r["peak_mb"] for r in rs), threads
 
@@ -245,12 +216,12 @@ def main(argv=None):
         line = f"  {mode:4}"
         for side in sides:
             seconds, peak, threads = best(side)
-            line += (f" | {side} {tokens / seconds:7,.0f} tok/s ({threads} thread{'s' if threads > 1 else ''}), "
+            line += (f" | {side} {tokens / seconds:7,.0f} tok/s ({threads_label(threads)}), "
                      f"peak {peak:5,.0f} MB = {peak / weight_mb:.2f} x weights")
         if use_torch:
             line += f" | speed ratio npllama / torch {best('torch')[0] / best('npllama')[0]:.2f}"
         print(line, flush=True)
-    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average at the end {load_averages()}")
     return 0
 
 

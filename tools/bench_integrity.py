@@ -22,39 +22,18 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import statistics
 import sys
 import tempfile
-import time
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # npllama and tools/ from a checkout
 import npllama  # noqa: E402
 from npllama.io.safetensors import read_safetensors  # noqa: E402
 from npllama.train.checkpoint import save_train_checkpoint  # noqa: E402
-
-
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def interleaved(a, b, repeats: int) -> tuple[float, float]:
-    """Medians of a and b, run alternately so the machine's load falls on both alike."""
-    ta, tb = [], []
-    for _ in range(repeats):
-        for fn, out in ((a, ta), (b, tb)):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
+from tools.benchkit import load_averages, median_seconds, take_turns  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -67,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--untied", action="store_true", help="a separate output matrix (stories110M shares it)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    print("load average", " ".join(Path("/proc/loadavg").read_text().split()[:3]))
+    print("load average", load_averages())
 
     buf = memoryview(np.random.default_rng(0).integers(0, 255, 256 << 20, dtype=np.uint8))
     crc = median_seconds(lambda: zlib.crc32(buf), args.repeats)
@@ -89,7 +68,7 @@ def main(argv=None) -> int:
         for label, path, read in (("model", meta, lambda v: npllama.load(meta, verify=v)),
                                   ("checkpoint", ckpt, lambda v: read_safetensors(ckpt, verify=v))):
             read(False)                                    # into the page cache
-            on, off = interleaved(lambda: read(True), lambda: read(False), args.repeats)
+            on, off = take_turns({"on": lambda: read(True), "off": lambda: read(False)}, args.repeats).values()
             what = "load" if label == "model" else "read"
             print(f"{label} ({path.stat().st_size / 1e6:,.1f} MB): {what} {on:.2f} s verified, {off:.2f} s "
                   f"unverified: +{on - off:.2f} s")

@@ -39,10 +39,11 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # npllama and tools/ from a checkout
 
 from npllama import Llama  # noqa: E402
 from npllama.train import data as data_mod  # noqa: E402
@@ -51,6 +52,7 @@ from npllama.optim import lr_at  # noqa: E402
 from npllama.train.config import PRESETS, preset  # noqa: E402
 from npllama.train.data import prepare_data  # noqa: E402
 from npllama.train.loop import estimate_loss, train_step  # noqa: E402
+from tools.benchkit import load_average  # noqa: E402
 
 
 class Side:
@@ -138,13 +140,9 @@ def make_side(name: str, cfg, corpus, eval_batches: int) -> Side:
         return Side(name, step, evaluate)
 
     import torch
-    from torch_llama import TorchLlama
-    model = TorchLlama.from_npllama(init)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    from tools.torch_llama import TorchLlama, adamw
+    model = TorchLlama.from_params(mcfg, init.params)
+    opt = adamw(model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
     def as_tensor(a):
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
@@ -213,7 +211,7 @@ def main(argv=None) -> int:
           f"{mcfg.n_heads} heads, seq {T}, batch {B}x{A}, lr {cfg.lr:g}->{cfg.min_lr:g}, "
           f"warm-up {cfg.warmup_steps} steps then cosine over the time budget")
     print(f"  numpy {np.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"{os.cpu_count()} cpus, load average {load_average():.2f}", flush=True)
 
     # One process per side (their thread pools never meet), taking turns in --slice second slices
     # so that whatever else runs on the machine slows both alike.

@@ -16,7 +16,8 @@ from the other side is paid there: waking thread pools, refilling caches), then 
 npllama runs with its defaults and with workers=1, PyTorch with 1 and 2 threads, and each
 side's faster setting counts: the median over rounds of its time per step, as tokens/s.
 
-Memory: each side alone in a fresh process of its own (this script with --memory-probe). Model
+Memory: each side alone in a fresh process of its own (this script with --memory-probe; with
+--quick the two processes run at the same time: they share the CPUs, not their memory). Model
 creation: the peak resident memory while the model is built, minus the resident memory after
 the imports and a warm-up on a tiny model (which pages the libraries' code in). Training: the
 peak while the optimizer is built and two steps run, minus the resident memory after the model
@@ -39,18 +40,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # npllama and tools/ from a checkout
 
 import npllama  # noqa: E402
 from npllama.engine import FusedAdamW  # noqa: E402
+from tools.benchkit import (MB, PEER_THREADS, calls_per_turn, can_reset_peak_rss, load_averages,  # noqa: E402
+                            memory_status, reset_peak_rss, start_worker, take_turns, threads_label, torch_version,
+                            worker_result)
 
 # name -> (LlamaConfig fields, batch B, sequence T)
 CONFIGS = {
@@ -68,11 +69,6 @@ QUICK_CONFIGS = {
 }
 HYPER = dict(lr=1e-4, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
-MB = 1 << 20
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def batch(cfg, B, T, seed=0):
@@ -94,12 +90,10 @@ def npllama_step(model, tokens, targets, workers=None):
 
 
 def torch_step(tm, tokens, targets, threads=None):
+    """The same step in PyTorch as a closure, on `threads` threads (set at each step: the sides share a process)."""
     import torch
-    decay = [p for p in tm.parameters() if p.ndim >= 2]
-    no_decay = [p for p in tm.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"])
+    from tools.torch_llama import adamw
+    opt = adamw(tm, **HYPER)
     x, y = torch.from_numpy(tokens), torch.from_numpy(targets)
 
     def step():
@@ -121,43 +115,19 @@ def measure_speed(cfg, B, T, rounds, turn_seconds, use_torch, warmup=2):
     steps = {"npllama": npllama_step(model, tokens, targets),
              "npllama workers=1": npllama_step(npllama.Llama(cfg, seed=0), tokens, targets, workers=1)}
     if use_torch:
-        from torch_llama import TorchLlama
-        for threads in (1, 2):
-            steps[f"torch {threads} thread{'s' if threads > 1 else ''}"] = torch_step(
-                TorchLlama.from_npllama(model), tokens, targets, threads)
+        from tools.torch_llama import TorchLlama
+        for threads in PEER_THREADS:
+            steps[f"torch {threads_label(threads)}"] = torch_step(
+                TorchLlama.from_params(cfg, model.params), tokens, targets, threads)
     per_turn = {}
     for name, step in steps.items():          # warm up (PyTorch sets itself up lazily), then size the turns
         for _ in range(warmup):
             step()
-        t0 = time.perf_counter()
-        step()
-        per_turn[name] = max(1, min(20, round(turn_seconds / max(time.perf_counter() - t0, 1e-6))))
-    times = {name: [] for name in steps}
-    for r in range(rounds):
-        order = list(steps) if r % 2 == 0 else list(reversed(steps))
-        for name in order:
-            steps[name]()                     # untimed: the switch from the other side (waking its threads) is paid here
-            t0 = time.perf_counter()
-            for _ in range(per_turn[name]):
-                steps[name]()
-            times[name].append((time.perf_counter() - t0) / per_turn[name])
-    return {name: float(np.median(t)) for name, t in times.items()}
+        per_turn[name] = calls_per_turn(step, turn_seconds)
+    return take_turns(steps, rounds, per_turn, switch=True)
 
 
 # ---- memory: one side alone in a fresh process ---------------------------------------------------------
-
-def _status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
 
 def memory_probe(side, name, quick):
     """Runs in its own process: prints JSON {create, train} in bytes (module docstring)."""
@@ -166,45 +136,37 @@ def memory_probe(side, name, quick):
     tokens, targets = batch(cfg, B, T)
     if side == "torch":
         import torch
-        from torch_llama import TorchLlama
-        torch.set_num_threads(2)
+        from tools.torch_llama import TorchLlama
+        torch.set_num_threads(max(PEER_THREADS))
     build = (lambda c: npllama.Llama(c, seed=0)) if side == "npllama" else TorchLlama
     train = npllama_step if side == "npllama" else torch_step
     # first a tiny model, built and trained a step: the libraries' code and tables are paged in
     # then, and not counted below
     tiny = npllama.LlamaConfig(dim=16, n_layers=1, n_heads=2, vocab_size=cfg.vocab_size, max_seq_len=8)
     train(build(tiny), *batch(tiny, 2, 8))()
-    start = _status("VmRSS")
-    _reset_peak()
+    start = memory_status()["VmRSS"]
+    reset_peak_rss()
     model = build(cfg)
-    create = _status("VmHWM") - start
-    after_create = _status("VmRSS")
-    _reset_peak()
+    create = memory_status()["VmHWM"] - start
+    after_create = memory_status()["VmRSS"]
+    reset_peak_rss()
     step = train(model, tokens, targets)
     for _ in range(2):
         step()
-    print(json.dumps({"create": create, "train": _status("VmHWM") - after_create}))
+    print(json.dumps({"create": create, "train": memory_status()["VmHWM"] - after_create}))
 
 
 def measure_memory(sides, name, quick):
     """{side: memory_probe's figures}, each from a fresh process, or None where it cannot measure
     (not Linux). Quick: the sides' processes run at once (they share time, not memory)."""
-    if not os.path.exists("/proc/self/clear_refs"):
+    if not can_reset_peak_rss():
         return None
 
     def start(side):
-        cmd = [sys.executable, __file__, "--memory-probe", side, name] + (["--quick"] if quick else [])
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return start_worker(__file__, "--memory-probe", side, name, *(["--quick"] if quick else []))
 
     started = {side: start(side) for side in sides} if quick else {}
-    found = {}
-    for side in sides:
-        proc = started.get(side) or start(side)
-        out, err = proc.communicate()
-        if proc.returncode != 0:
-            raise RuntimeError(f"memory probe {side} {name} failed:\n{err}")
-        found[side] = json.loads(out.strip().splitlines()[-1])
-    return found
+    return {side: worker_result(started.get(side) or start(side)) for side in sides}
 
 
 # ---- the report ----------------------------------------------------------------------------------------
@@ -237,19 +199,15 @@ def main(argv=None) -> int:
     configs = QUICK_CONFIGS if args.quick else {n: CONFIGS[n] for n in args.configs}
     rounds = args.rounds or (3 if args.quick else 7)
     turn = args.turn or (0.2 if args.quick else 1.0)
-    try:
-        import torch
-        use_torch = not args.no_torch
-    except ImportError:
-        use_torch = False
-    print(f"numpy {np.__version__}, torch {torch.__version__ if use_torch else 'not used'}, "
+    use_torch = torch_version() is not None and not args.no_torch
+    print(f"numpy {np.__version__}, torch {torch_version() if use_torch else 'not used'}, "
           f"{os.cpu_count()} cpus; a step = forward + backward + clip + AdamW; {rounds} rounds; "
           "tokens/s: median, each side's faster setting", flush=True)
     for name, (kw, B, T) in configs.items():
         cfg = npllama.LlamaConfig(**kw)
-        load_before = load_average()
+        load_before = load_averages()
         times = measure_speed(cfg, B, T, rounds, turn, use_torch, warmup=1 if args.quick else 2)
-        load_after = load_average()
+        load_after = load_averages()
         tokens = B * T
         print(f"\n{name}: {describe(cfg, B, T)}   load average {load_before} -> {load_after}")
         for setting, seconds in times.items():
@@ -277,7 +235,7 @@ def main(argv=None) -> int:
         if use_torch:
             line += f", torch {mem['torch']['create'] / MB:,.1f} MB ({mem['torch']['create'] / param_bytes:.2f}x)"
         print(line, flush=True)
-    print(f"\nload average at the end {load_average()}")
+    print(f"\nload average at the end {load_averages()}")
     return 0 if use_torch or args.no_torch else 2
 
 

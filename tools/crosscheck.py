@@ -41,47 +41,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # npllama and tools/ from a checkout
 
 import npllama  # noqa: E402
-from npllama.io import CheckpointError  # noqa: E402
-from npllama.io.safetensors import read_safetensors  # noqa: E402
+from tools.reference_file import REFERENCE_NAME, fixed_prompts, read_reference  # noqa: E402
 
-REFERENCE_NAME = "reference_logits.safetensors"
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
-
-
-def fixed_prompts(vocab_size: int, max_seq_len: int, seed: int = 0) -> list[np.ndarray]:
-    """Three prompts of lengths 1, 8 and 16 (capped at max_seq_len); the first is BOS (id 1)."""
-    rng = np.random.default_rng(seed)
-    prompts = [np.array([1 % vocab_size], dtype=np.int64)]
-    for T in (8, 16):
-        T = min(T, max_seq_len)
-        ids = rng.integers(0, vocab_size, size=T, dtype=np.int64)
-        ids[0] = 1 % vocab_size
-        prompts.append(ids)
-    return prompts
-
-
-def read_reference(path) -> tuple[list[np.ndarray], dict[str, list[np.ndarray]]]:
-    """(prompts, {dtype: [logits per prompt]}) from a file export_torch.py wrote.
-
-    Layout: prompt.{i}.ids int64 (T,), prompt.{i}.logits.{float32|float64} (T, V).
-    """
-    tensors, _ = read_safetensors(path)
-    n = 0
-    while f"prompt.{n}.ids" in tensors:
-        n += 1
-    if n == 0:
-        raise CheckpointError(f"{path}: no prompt.0.ids; not a reference file written by tools/export_torch.py")
-    prompts = [tensors[f"prompt.{i}.ids"] for i in range(n)]
-    logits = {}
-    for dt in ("float32", "float64"):
-        if all(f"prompt.{i}.logits.{dt}" in tensors for i in range(n)):
-            logits[dt] = [tensors[f"prompt.{i}.logits.{dt}"] for i in range(n)]
-    if not logits:
-        raise CheckpointError(f"{path}: no prompt.*.logits.float32/float64 tensors")
-    return prompts, logits
 
 
 def live_reference(path: Path, model, prompts, dtype: str) -> list[np.ndarray]:
@@ -89,8 +54,7 @@ def live_reference(path: Path, model, prompts, dtype: str) -> list[np.ndarray]:
     import torch
     from transformers import LlamaForCausalLM
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # export_torch.py sits beside this file
-    from export_torch import make_float64_exact, torch_logits
+    from tools.export_torch import make_float64_exact, torch_logits     # imports torch: only here
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = path if path.is_dir() else Path(npllama.save(model, Path(tmp) / "hf", format="hf", dtype=dtype))

@@ -10,7 +10,7 @@ given config, or loads a Hugging Face folder (--hf), then writes into OUT:
                                        RMSNorm, RoPE and softmax made to follow the dtype (see
                                        make_float64_exact)
 
-The prompts are crosscheck.fixed_prompts: BOS alone, then 8 and 16 seeded random ids after BOS.
+The prompts are reference_file.fixed_prompts: BOS alone, then 8 and 16 seeded random ids after BOS.
 Then `python tools/crosscheck.py OUT` compares npllama against them.
 
     python tools/export_torch.py --out weights/tiny-pytorch --rope-theta 5000
@@ -25,7 +25,6 @@ near-zero logits and a weak test. Here every matrix is N(0, 1/fan_in) and every 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import types
 from pathlib import Path
@@ -33,11 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # npllama and tools/ from a checkout
 
-from crosscheck import REFERENCE_NAME, fixed_prompts  # noqa: E402
-from npllama.io.safetensors import write_safetensors_atomic  # noqa: E402
+from tools.reference_file import REFERENCE_NAME, fixed_prompts, write_reference  # noqa: E402
 
 _EXACT_ATTENTION = "npllama_eager_dtype_exact"
 
@@ -129,15 +126,6 @@ def reference_logits(model, prompts) -> dict[str, list[np.ndarray]]:
     make_float64_exact(m64)
     out["float64"] = [torch_logits(m64, ids) for ids in prompts]
     return out
-
-
-def write_reference(path, prompts, logits: dict, note: dict) -> None:
-    tensors = {}
-    for i, ids in enumerate(prompts):
-        tensors[f"prompt.{i}.ids"] = np.asarray(ids, dtype=np.int64)
-        for dt, per_prompt in logits.items():
-            tensors[f"prompt.{i}.logits.{dt}"] = np.asarray(per_prompt[i], dtype=dt)
-    write_safetensors_atomic(path, tensors, {"npllama_reference": json.dumps(note, sort_keys=True)})
 
 
 def main(argv=None) -> int:

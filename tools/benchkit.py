@@ -1,0 +1,121 @@
+"""What the benchmarks in tools/ measure alike: the machine's load, peak memory, threads and time.
+
+On a shared machine every figure moves with whatever else runs, so each benchmark prints the
+load average its figures ran under, lets the contenders take turns (take_turns) and reports
+medians. PyTorch, the peer, gets its better of 1 and 2 threads (PEER_THREADS). Memory comes from
+Linux's /proc/self/status: VmHWM is the peak resident memory, which reset_peak_rss restarts.
+Workers in fresh processes (so that peaks and thread pools never mix) answer with one JSON line.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PEER_THREADS = (1, 2)          # torch.set_num_threads values the peer runs with; its faster one counts
+MB = 1 << 20
+
+
+def load_average() -> float:
+    """The 1-minute load average: how many processes wanted a CPU, on average, lately."""
+    return os.getloadavg()[0]
+
+
+def load_averages() -> str:
+    """The 1-, 5- and 15-minute load averages, as printed: "1.02 1.20 1.31"."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def torch_version() -> str | None:
+    """The installed torch's version, or None without torch (the benchmarks then measure npllama
+    alone). Read from its package metadata: importing torch here would start its thread pools."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def threads_label(n: int) -> str:
+    return f"{n} thread{'s' if n > 1 else ''}"
+
+
+def memory_status() -> dict[str, int]:
+    """This process's memory counters in bytes, from /proc/self/status (Linux): VmRSS (resident
+    now), VmHWM (the peak since the start or reset_peak_rss), RssAnon, RssFile and the others."""
+    with open("/proc/self/status") as f:
+        return {key: int(value.split()[0]) * 1024 for key, _, value in (line.partition(":") for line in f)
+                if value.strip().endswith(" kB")}
+
+
+def can_reset_peak_rss() -> bool:
+    return os.path.exists("/proc/self/clear_refs")
+
+
+def reset_peak_rss() -> None:
+    """Restart the kernel's count of this process's peak resident memory (VmHWM) from now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def median_seconds(fn, repeats: int, warmup: int = 0) -> float:
+    """The median seconds of `repeats` calls of fn, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calls_per_turn(fn, seconds: float, most: int = 20) -> int:
+    """How many calls of fn fill about `seconds` (1 to `most`), from one timed call."""
+    start = time.perf_counter()
+    fn()
+    return max(1, min(most, round(seconds / max(time.perf_counter() - start, 1e-6))))
+
+
+def take_turns(fns: dict, rounds: int, calls: dict | None = None, switch: bool = False) -> dict[str, float]:
+    """{name: median over the rounds of seconds per call}: the functions take turns, round after round.
+
+    The order alternates between rounds, so neither side always follows the other, and load
+    from elsewhere falls on all alike. Each turn times calls[name] calls (default 1), after one
+    untimed call when `switch` (the switch from the other side is paid there: waking thread
+    pools, refilling caches).
+    """
+    times = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+            if switch:
+                fns[name]()
+            n = calls[name] if calls else 1
+            start = time.perf_counter()
+            for _ in range(n):
+                fns[name]()
+            times[name].append((time.perf_counter() - start) / n)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def start_worker(script: str, *args: str) -> subprocess.Popen:
+    """Run `python script args...` as a fresh process (a benchmark calling itself as a worker)."""
+    return subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def worker_result(proc: subprocess.Popen) -> dict:
+    """The JSON object a worker printed as its last line; RuntimeError with its stderr when it failed."""
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_worker(script: str, *args: str) -> dict:
+    """start_worker and wait for its worker_result."""
+    return worker_result(start_worker(script, *args))
