@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))                      # npllama and tools/ from a c
 
 import npllama  # noqa: E402
 from npllama.engine import decode  # noqa: E402
-from npllama.engine.blas import blas_threads, get_blas_threads  # noqa: E402
+from npllama.engine.settings import blas_threads, get_blas_threads  # noqa: E402
 from npllama.generate import generate, generate_batch  # noqa: E402
 from npllama.io.llama2c import llama2c_layout  # noqa: E402
 from npllama.model import init_params  # noqa: E402

@@ -56,7 +56,7 @@ TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 def release_and_reset_peak():
     """Hand freed heap pages back to the OS, then restart the kernel's peak-RSS counter (VmHWM)."""
-    from npllama.engine.memory import release_freed_memory
+    from npllama.engine.settings import release_freed_memory
     release_freed_memory()
     reset_peak_rss()
 
@@ -78,7 +78,7 @@ def batch(cfg, B, T):
 def run_npllama(cfg, mode, B, T, rank, warmup, steps, threads, checkpointing):
     import npllama
     from npllama.engine import FusedAdamW
-    from npllama.engine.blas import set_blas_threads
+    from npllama.engine.settings import set_blas_threads
     from npllama.llama import LoraLlama
     from npllama.lora import LoraSpec
     set_blas_threads(threads)
