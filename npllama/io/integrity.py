@@ -27,6 +27,7 @@ import zlib
 
 import numpy as np
 
+from ..checks import parse_json
 from .errors import CheckpointError
 from .metadata import CHECKSUM_KEY
 
@@ -66,7 +67,7 @@ class Verifier:
     def __init__(self, path, table: dict, metadata: dict):
         self.path = path
         try:
-            record = json.loads(metadata[CHECKSUM_KEY])
+            record = parse_json(metadata[CHECKSUM_KEY], CHECKSUM_KEY, ChecksumMismatchError)
             header, self.tensors = record["header"], record["tensors"]
             ok = record["algorithm"] == ALGORITHM and isinstance(header, str) and isinstance(self.tensors, dict)
         except (ValueError, KeyError, TypeError):

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import memory
-from ..checks import is_integer
+from ..checks import is_integer, parse_json
 from ..errors import MemoryLimitError, MissingFileError, NpllamaError
 from ..storage import bfloat16_to_float32
 from .atomic import write_atomic
@@ -125,10 +125,7 @@ def _read_header(f, path: Path):
         raise CheckpointError(f"{path}: header length {n} does not fit in the {size}-byte file; "
                               "the file is truncated, corrupt, or not safetensors")
     raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e}); the file is corrupt") from None
+    header = parse_json(raw, f"{path}: the safetensors header (the file is corrupt)", CheckpointError)
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object; "
                               "the file is corrupt")

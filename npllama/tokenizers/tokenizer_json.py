@@ -83,6 +83,7 @@ import os
 import re
 from pathlib import Path
 
+from ..checks import parse_json
 from ..errors import MissingFileError, NpllamaError
 
 
@@ -665,17 +666,9 @@ class _Decoder:
 def _load_json(text, what: str) -> dict:
     if isinstance(text, dict):
         return text
-    if isinstance(text, (bytes, bytearray)):
-        try:
-            text = bytes(text).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TokenizerJSONError(f"{what} is not UTF-8 text: {e}") from None
-    if not isinstance(text, str):
+    if not isinstance(text, (str, bytes, bytearray)):
         raise TokenizerJSONError(f"{what} must be JSON text or a dict, got {type(text).__name__}")
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TokenizerJSONError(f"{what} is not valid JSON: {e}") from None
+    d = parse_json(text, what, TokenizerJSONError)
     if not isinstance(d, dict):
         raise TokenizerJSONError(f"{what} must hold a JSON object, got {type(d).__name__}")
     return d

@@ -25,6 +25,7 @@ import socket
 import time
 from pathlib import Path
 
+from ..checks import parse_json
 from ..errors import NpllamaError
 
 LOCK_NAME = "train.lock"
@@ -66,7 +67,7 @@ def _holder_text(holder: dict | None) -> str:
 def _read_holder(f) -> dict | None:
     f.seek(0)
     try:
-        holder = json.loads(f.read() or "null")
+        holder = parse_json(f.read() or "null", "the lock file")
     except ValueError:
         return None
     return holder if isinstance(holder, dict) else None

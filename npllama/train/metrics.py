@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import parse_json
 from ..errors import with_path
 from ..io.atomic import write_bytes_atomic
 
@@ -67,11 +69,16 @@ class MetricsLog:
 
 
 def _record(line: str) -> dict | None:
+    """The JSON object on a line, or None for anything else (damage, hostile nesting included)."""
     try:
-        record = json.loads(line)
+        record = parse_json(line, "a metrics line")
     except ValueError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _step(record: dict) -> float:
@@ -79,16 +86,29 @@ def _step(record: dict) -> float:
     return step if isinstance(step, (int, float)) else float("inf")
 
 
-def read_metrics(path) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records) of a metrics.jsonl file."""
+_VALUE = {"train": "loss", "eval": "val_loss"}   # the number a record of each kind is drawn by
+
+
+def read_metrics(path, skipped: list | None = None) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) of a metrics.jsonl file.
+
+    A line that is not a JSON object, or a train / eval record without a numeric step and loss,
+    is damage (MetricsLog writes whole lines): it is left out, and its line number appended to
+    `skipped` when a list is given. Other kinds ("final") are not drawn.
+    """
     train, evals = [], []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if rec.get("kind") == "eval":
-                evals.append(rec)
-            elif rec.get("kind") == "train":
-                train.append(rec)
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = _record(line)
+        kind = rec.get("kind") if rec is not None else None
+        if rec is None or (kind in _VALUE and not (_number(rec.get("step")) and _number(rec.get(_VALUE[kind])))):
+            if skipped is not None:
+                skipped.append(number)
+        elif kind == "eval":
+            evals.append(rec)
+        elif kind == "train":
+            train.append(rec)
     return train, evals
 
 
@@ -122,6 +142,8 @@ def plot_metrics(metrics_path, png_path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path)
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png")
     plt.close(fig)
+    write_bytes_atomic(png_path, picture.getvalue())    # replaced whole; never through a planted link
     return Path(png_path)
