@@ -204,7 +204,8 @@ def _swap_in(tmp: Path, path: Path) -> Path | None:
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):     # else another writer got there first: exchange
                 raise
-    raise OSError(errno.EBUSY, "the folder keeps being replaced by another writer", str(path))
+    raise OutputPathError(f"{path} keeps being replaced by another process while npllama saves there; retry "
+                          "when it is done")
 
 
 _RENAME_EXCHANGE = 2
@@ -236,7 +237,13 @@ def _exchange(a: Path, b: Path) -> bool:
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False
-    raise OSError(err, os.strerror(err), str(b))
+    raise _os_error(err, b)
+
+
+def _os_error(code: int, path) -> OSError:
+    """The OSError the system call failing with errno `code` on path means (the operating system's
+    error, as errors.py keeps them: the CLI prints it as one line naming the path)."""
+    return OSError(code, os.strerror(code), str(path))
 
 
 def _link_or_copy(src, dst) -> None:

@@ -61,7 +61,7 @@ from .llama2c import read_llama2c
 from .lora import read_adapted
 from .metadata import (CONFIG_KEY, LORA_KEY, OPTIMIZER_PREFIX, SAVE_ID_KEY, TOKENIZER_KEY, config_from_metadata,
                        is_training_checkpoint, model_metadata, tokenizer_from_metadata)
-from .outputs import check_output_path, check_save_target, refuse_inputs
+from .outputs import check_output_path, check_save_target, refuse_inputs, replaced_by_a_model
 from .pickles import looks_pickled_name, refuse_pickle_magic, refuse_pickle_name
 from .safetensors import Bfloat16, map_safetensors, release_pages, write_safetensors_atomic
 
@@ -436,27 +436,6 @@ def _cast_for_save(arr: np.ndarray, name: str):
     return Bfloat16(out) if name == "bfloat16" else out
 
 
-# What saving a model into a folder supersedes: the previous model's files (a sharded one's too,
-# as its index names them). Anything else there (a README, notes) is kept (io/atomic.py).
-_MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "added_tokens.json"}
-_SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
-
-
-def _replaced_by_a_model(folder: Path):
-    """A predicate on the names in folder: True for the files of the model a save there replaces."""
-    shards = set()
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wmap = parse_json(index.read_bytes(), str(index)).get("weight_map", {})
-            shards = {s for s in wmap.values() if isinstance(s, str) and Path(s).name == s}
-        except (ValueError, OSError, AttributeError):
-            pass                        # a damaged index: its shards stay (unknown names are kept)
-    return lambda name: name in _MODEL_FILES or name in shards or bool(_SHARD_NAME.fullmatch(name))
-
-
 def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoint: bool = False) -> Path:
     """Write model to path; returns the path written.
 
@@ -501,8 +480,7 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
     if format == "hf":
         if path.exists() and not path.is_dir():
             raise FileExistsError(f"{path} is a file; format='hf' writes a folder")
-        replaced = _replaced_by_a_model(path)
-        check_save_target(path, format, overwrite_checkpoint, replaced)
+        check_save_target(path, format, overwrite_checkpoint)
         hf = meta_to_hf({n: params[n] for n in cfg.param_shapes()}, cfg)
         del meta[CONFIG_KEY]                 # config.json carries it, in transformers' terms
         meta[SAVE_ID_KEY] = uuid.uuid4().hex
@@ -525,5 +503,5 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
             hf_cfg[SAVE_ID_KEY] = meta[SAVE_ID_KEY]
             write_bytes_atomic(path / "config.json", (json.dumps(hf_cfg, indent=2) + "\n").encode("utf-8"))
 
-        return write_folder_atomic(path, write_contents, replaced)
+        return write_folder_atomic(path, write_contents, replaced_by_a_model(path))
     raise NpllamaError(f"format={format!r}; use 'hf' (a transformers folder) or 'meta' (one .safetensors file)")

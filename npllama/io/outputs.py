@@ -16,7 +16,11 @@ Every refusal is an OutputPathError: one line naming the path and what to do ins
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Callable
+
+from ..checks import parse_json
 
 from .atomic import refuse_symlink
 from .errors import OutputPathError
@@ -44,11 +48,12 @@ def check_output_path(path, what: str = "the output path", whole: bool = False) 
     return p
 
 
-def _same(a: Path, b: Path) -> bool:
+def same_file(a, b) -> bool:
+    """True when the paths a and b name one file or folder: the same real path, or (hard links) inode."""
     try:
         if os.path.realpath(a) == os.path.realpath(b):
             return True
-        return a.exists() and b.exists() and os.path.samefile(a, b)
+        return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
     except OSError:
         return False
 
@@ -64,7 +69,7 @@ def refuse_inputs(out, inputs: dict, what: str) -> None:
             continue
         p = Path(p)
         real = Path(os.path.realpath(p))
-        if _same(out, p):
+        if same_file(out, p):
             raise OutputPathError(f"{what} {out} is {label} ({p}); npllama never writes over its own input: "
                                   "write to another path")
         if real.is_dir() and real_out.is_relative_to(real):
@@ -113,22 +118,45 @@ def model_inputs(path, label: str) -> dict:
     return inputs
 
 
+# What saving a model into a folder supersedes: the previous model's files (a sharded one's too,
+# as its index names them). Anything else there (a README, notes) is kept (io/atomic.py).
+_MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "added_tokens.json"}
+_SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
+def replaced_by_a_model(folder) -> Callable[[str], bool]:
+    """A predicate on the names in folder: True for the files of the model a save there replaces."""
+    shards = set()
+    index = Path(folder) / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wmap = parse_json(index.read_bytes(), str(index)).get("weight_map", {})
+            shards = {s for s in wmap.values() if isinstance(s, str) and Path(s).name == s}
+        except (ValueError, OSError, AttributeError):
+            pass                        # a damaged index: its shards stay (unknown names are kept)
+    return lambda name: name in _MODEL_FILES or name in shards or bool(_SHARD_NAME.fullmatch(name))
+
+
 def check_save_target(path, format: str, overwrite_checkpoint: bool = False,
-                      replaced=lambda name: False, flag: str = "overwrite_checkpoint=True") -> None:
-    """OutputPathError unless saving a model at path (format "meta": one file; "hf": a folder whose
-    entries replaced(name) are superseded) keeps every training and LoRA checkpoint, or
-    overwrite_checkpoint says to replace them; and never into the folder of a training run."""
+                      flag: str | None = "overwrite_checkpoint=True") -> None:
+    """OutputPathError unless saving a model at path (format "meta": one file; "hf": a folder, whose
+    model files are replaced) keeps every training and LoRA checkpoint, or overwrite_checkpoint
+    says to replace them (`flag` names how to say it, None: no way); never into the folder of a
+    training run, never through a symbolic link."""
     path = Path(path)
     refuse_symlink(path)
     if format == "hf" and path.is_dir():
         if (path / RUN_LOCK_NAME).exists():
             raise OutputPathError(f"{path} is the folder of a training run ({RUN_LOCK_NAME} is there), which a "
                                   "Hugging Face export would replace whole; export into another folder")
+        replaced = replaced_by_a_model(path)
         targets = [path / name for name in sorted(os.listdir(path)) if replaced(name)]
     else:
         targets = [path]
     for target in targets:
         kind = checkpoint_kind(target)
         if kind and not overwrite_checkpoint:
-            raise OutputPathError(f"{target} is {kind}, which saving the bare model there would destroy; "
-                                  f"write to another path, or pass {flag} to replace it")
+            raise OutputPathError(f"{target} is {kind}, which saving the bare model there would destroy; write to "
+                                  f"another path{f', or pass {flag} to replace it' if flag else ''}")

@@ -31,7 +31,7 @@ from ..errors import MemoryLimitError, MissingFileError, NpllamaError
 from ..storage import bfloat16_to_float32
 from .atomic import write_atomic
 from .errors import CheckpointError
-from .integrity import Verifier, checksum_metadata
+from .integrity import Verifier, checksum_metadata, refuse_damaged_record
 from .metadata import CHECKSUM_KEY
 from .pickles import refuse_pickle_magic
 
@@ -98,8 +98,14 @@ def _table(entries) -> dict:
 
 
 def _verifier(path: Path, entries, metadata: dict, verify: bool) -> Verifier | None:
-    """A Verifier for a file that records checksums (checking its header now), else None."""
-    return Verifier(path, _table(entries), metadata) if verify and CHECKSUM_KEY in metadata else None
+    """A Verifier for a file that records checksums (checking its header now), else None; a record
+    under a damaged key is refused (io/integrity.py)."""
+    if not verify:
+        return None
+    if CHECKSUM_KEY not in metadata:
+        refuse_damaged_record(path, metadata)
+        return None
+    return Verifier(path, _table(entries), metadata)
 
 
 def read_safetensors_header(path, verify: bool = True) -> tuple[dict[str, tuple[str, tuple]], dict[str, str]]:

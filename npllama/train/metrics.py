@@ -16,7 +16,7 @@ import numpy as np
 
 from ..checks import parse_json
 from ..errors import with_path
-from ..io.atomic import write_bytes_atomic
+from ..io.atomic import refuse_symlink, write_bytes_atomic
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
@@ -45,13 +45,15 @@ class MetricsLog:
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
+        refuse_symlink(path)                            # never written through a link planted there
         if resume_step is not None and path.is_file():
             records = [r for r in map(_record, path.read_text(errors="replace").splitlines()) if r is not None]
             kept = [json.dumps(r) for r in records if r.get("kind") != "final" and _step(r) <= resume_step]
             write_bytes_atomic(path, "".join(line + "\n" for line in kept).encode("utf-8"))
         elif path.exists():
             path.unlink()
-        self._f = open(path, "ab", buffering=0)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        self._f = open(fd, "ab", buffering=0)
 
     def write(self, **record) -> None:
         line = (json.dumps(record) + "\n").encode("utf-8")
