@@ -58,19 +58,24 @@ def write_atomic(path, write, suffix: str = ".tmp") -> None:
     path = Path(path)
     refuse_symlink(path)
     directory = path.parent if str(path.parent) else Path(".")
+    for stale in stale_temp_files(path, suffix, unlocked=True):   # what a killed writer of path left
+        stale.unlink(missing_ok=True)
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=_temp_prefix(path), suffix=suffix)
     except OSError as e:
         raise with_path(_renamed(e, path), path)
     try:
         with os.fdopen(fd, "wb") as f:
+            # "being written" until it is renamed (the lock goes with the file's closing): see
+            # stale_temp_files(unlocked=True)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-        os.replace(tmp, path)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
+            os.replace(tmp, path)
     except BaseException as e:
         try:
             os.unlink(tmp)
@@ -93,17 +98,41 @@ def _renamed(error: OSError, path: Path) -> OSError:
     return error
 
 
-def stale_temp_files(path, suffix: str = ".tmp") -> list[Path]:
+def stale_temp_files(path, suffix: str = ".tmp", unlocked: bool = False) -> list[Path]:
     """The temporary files write_atomic(path) leaves when its process is killed mid-write.
 
     Only their owner may delete them, and only when no other process can be writing path (a
-    training run does it under its folder's lock, train/lock.py)."""
+    training run does it under its folder's lock, train/lock.py). unlocked=True keeps only those
+    no live writer holds (write_atomic flocks its temporary file), less an empty one so young that
+    its writer may be about to lock it: what any later writer of path may remove."""
     path = Path(path)
     prefix = _temp_prefix(path)
     if not path.parent.is_dir():
         return []
-    return sorted(p for p in path.parent.iterdir()
-                  if p.name.startswith(prefix) and p.name.endswith(suffix) and p.is_file())
+    found = sorted(p for p in path.parent.iterdir()
+                   if p.name.startswith(prefix) and p.name.endswith(suffix) and p.is_file() and not p.is_symlink())
+    return [p for p in found if _abandoned(p)] if unlocked else found
+
+
+def _abandoned(p: Path) -> bool:
+    """True when no live process holds a flock on p, and p is not a just-made empty file or folder
+    (its maker may not have locked it yet)."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if p.is_dir() else 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False                                # a live writer's
+    finally:
+        os.close(fd)
+    try:
+        st = p.stat()
+        empty = not any(p.iterdir()) if p.is_dir() else st.st_size == 0
+    except OSError:
+        return False
+    return not (empty and time.time() - st.st_mtime < _QUIET_SECONDS)
 
 
 def write_bytes_atomic(path, data: bytes) -> None:
@@ -281,28 +310,10 @@ def stale_temp_folders(path) -> list[Path]:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         return []
-    prefix, stale = _temp_prefix(path), []
-    for p in sorted(parent.iterdir()):
-        if not (p.name.startswith(prefix) and p.name.endswith((FOLDER_SUFFIX, ASIDE_SUFFIX))) \
-                or p.is_symlink() or not p.is_dir():
-            continue
-        try:
-            fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue                                # a live writer's
-        finally:
-            os.close(fd)
-        try:
-            young_and_empty = time.time() - p.stat().st_mtime < _QUIET_SECONDS and not any(p.iterdir())
-        except OSError:
-            continue
-        if not young_and_empty:
-            stale.append(p)
-    return stale
+    prefix = _temp_prefix(path)
+    return [p for p in sorted(parent.iterdir())
+            if p.name.startswith(prefix) and p.name.endswith((FOLDER_SUFFIX, ASIDE_SUFFIX))
+            and not p.is_symlink() and p.is_dir() and _abandoned(p)]
 
 
 def remove_stale_temp_folders(path) -> None:

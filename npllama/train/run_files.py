@@ -47,7 +47,10 @@ def check_run_files(cfg: TrainConfig) -> None:
         refuse_inputs(path, inputs, f"{label}")
     if cfg.export:
         export = Path(cfg.export)
-        refuse_inputs(export, {**inputs, **written}, "--export")
+        refuse_inputs(export, inputs, "--export")
+        for label, path in written.items():            # compared by path: they may not exist yet
+            if same_file(export, path):
+                raise OutputPathError(f"--export {export} is {label}; export to another path")
         if same_file(export, out) or Path(os.path.realpath(out)).is_relative_to(os.path.realpath(export)):
             raise OutputPathError(f"--export {export} would replace the run's folder --out-dir {out}; export to a "
                                   "path inside or beside it")
