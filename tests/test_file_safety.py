@@ -309,7 +309,7 @@ READER = textwrap.dedent("""
             assert "retry" in str(e), str(e)
             counts["retry"] += 1
             continue
-        which = [i for i, m in enumerate(models) if loaded.config == m.config
+        which = [i for i, m in enumerate(models) if loaded.config.norm_eps == m.config.norm_eps
                  and all(np.array_equal(loaded.params[n], p) for n, p in m.params.items())]
         assert len(which) == 1, "a load that is neither model"
         counts[str(which[0])] += 1
