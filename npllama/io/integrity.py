@@ -8,7 +8,8 @@ key CHECKSUM_KEY (io/metadata.py):
     {"algorithm": "crc32",
      "header": crc of the header's canonical JSON (sorted keys, compact) without this key,
      "content": the same without the tensors' data_offsets,
-     "tensors": {name: crc of the tensor's bytes as stored, ...}}
+     "tensors": {name: crc of the tensor's bytes as stored, ...},
+     "record": crc of the four entries above as canonical JSON}
 
 so a flip in the config, the training state or the tensor table is caught as well as one in
 any tensor, and the error names the tensor. Reading checks "content" (files of older npllama
@@ -17,7 +18,9 @@ in the file each tensor sits. So a file another tool re-saved with the same meta
 tensors (safetensors.numpy.save_file orders and aligns them its own way) is verified, not
 called damaged; a misplaced tensor still fails its own CRC.
 
-The record checks itself: a file whose metadata holds a checksum record under any other key
+The record checks itself: "record" covers its other entries, so a flip in any of them (the
+"header" one too, which a re-saved file cannot match) is caught; a record with other keys
+than these is damaged; and a file whose metadata holds a checksum record under any other key
 (a flipped bit in the key name), or a key one or two characters off CHECKSUM_KEY, is refused
 as damaged, never loaded unverified. Files with no record at all (older npllama, other
 tools) load as before, unverified.
@@ -41,6 +44,7 @@ from .errors import CheckpointError
 from .metadata import CHECKSUM_KEY
 
 ALGORITHM = "crc32"
+_RECORD_KEYS = ({"algorithm", "header", "tensors"}, {"algorithm", "header", "content", "tensors", "record"})
 
 
 class ChecksumMismatchError(CheckpointError):
@@ -69,9 +73,16 @@ def header_checksum(table: dict, metadata: dict, offsets: bool = True) -> str:
 def checksum_metadata(table: dict, metadata: dict, arrays: dict[str, np.ndarray]) -> str:
     """The JSON to store under CHECKSUM_KEY for a file with this header table, metadata and
     tensors (arrays: {name: the C-contiguous array whose bytes are written})."""
-    return json.dumps({"algorithm": ALGORITHM, "header": header_checksum(table, metadata),
-                       "content": header_checksum(table, metadata, offsets=False),
-                       "tensors": {name: _crc(_raw(arr)) for name, arr in arrays.items()}}, sort_keys=True)
+    record = {"algorithm": ALGORITHM, "header": header_checksum(table, metadata),
+              "content": header_checksum(table, metadata, offsets=False),
+              "tensors": {name: _crc(_raw(arr)) for name, arr in arrays.items()}}
+    return json.dumps(dict(record, record=_record_checksum(record)), sort_keys=True)
+
+
+def _record_checksum(record: dict) -> str:
+    """CRC of a checksum record's entries other than "record" (canonical JSON)."""
+    return _crc(json.dumps({k: v for k, v in record.items() if k != "record"}, sort_keys=True,
+                           separators=(",", ":")).encode("utf-8"))
 
 
 def refuse_damaged_record(path, metadata: dict) -> None:
@@ -94,7 +105,9 @@ class Verifier:
             record = parse_json(metadata[CHECKSUM_KEY], CHECKSUM_KEY, ChecksumMismatchError)
             offsets = "content" not in record           # older npllama recorded the header with offsets only
             header, self.tensors = record["header" if offsets else "content"], record["tensors"]
-            ok = record["algorithm"] == ALGORITHM and isinstance(header, str) and isinstance(self.tensors, dict)
+            ok = (record["algorithm"] == ALGORITHM and isinstance(header, str) and isinstance(self.tensors, dict)
+                  and set(record) in _RECORD_KEYS      # a damaged key name is damage too
+                  and (offsets or record["record"] == _record_checksum(record)))
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
