@@ -112,9 +112,10 @@ def test_export_never_replaces_another_checkpoint_or_a_lora_one_unasked(run_ckpt
     assert same_params(npllama.load(ckpt).params, npllama.load(other).params)
 
 
-@pytest.mark.parametrize("out", ["", "   ", ".", ".."])
+@pytest.mark.parametrize("out", ["", "   ", ".", "..", "the current folder by its full path"])
 def test_export_to_no_path_is_refused(out, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    out = str(tmp_path) if out.startswith("the current") else out
     src = npllama.save(model(0), tmp_path / "m.safetensors", format="meta")
     assert cli.main(["export", "-m", str(src), "-o", out]) == 1
     assert one_error_line(capsys.readouterr().err, "--out")
@@ -321,9 +322,9 @@ READER = textwrap.dedent("""
 def test_concurrent_saves_and_loads_give_one_model_or_a_clear_error(tmp_path):
     folder = tmp_path / "hf"
     npllama.save(model(0), folder, format="hf")
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, "hf", str(folder), "4"], stdout=subprocess.PIPE,
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, "hf", str(folder), "3"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-    readers = [subprocess.Popen([sys.executable, "-c", READER, str(folder), "3"], stdout=subprocess.PIPE,
+    readers = [subprocess.Popen([sys.executable, "-c", READER, str(folder), "2"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [r.communicate(timeout=120) for r in readers]
     out, err = writer.communicate(timeout=120)

@@ -32,8 +32,8 @@ RUN_LOCK_NAME = "train.lock"    # train/lock.py's LOCK_NAME (io cannot import tr
 
 def check_output_path(path, what: str = "the output path", whole: bool = False) -> Path:
     """path as a Path, or OutputPathError when it names nothing to write: empty, only whitespace,
-    or holding a NUL character; with whole=True (a file or folder replaced whole), also '.', '..'
-    or a root, which would replace the folder the user is in or above."""
+    or holding a NUL character; with whole=True (a file or folder replaced whole), also '.', '..',
+    a root, or any path to the current folder or one above it, which would be replaced whole."""
     text = os.fsdecode(path) if isinstance(path, (bytes, os.PathLike)) else path
     if not isinstance(text, str):
         raise OutputPathError(f"{what}={path!r} must be a path")
@@ -42,10 +42,17 @@ def check_output_path(path, what: str = "the output path", whole: bool = False) 
     if "\0" in text:
         raise OutputPathError(f"{what} {text!r} holds a NUL character, which no file name may; fix the path")
     p = Path(text)
-    if whole and p.name in ("", ".", ".."):
-        raise OutputPathError(f"{what} {text!r} names the current folder, its parent or a root, which npllama "
+    if whole and (p.name in ("", ".", "..") or _holds_cwd(p)):
+        raise OutputPathError(f"{what} {text!r} names the current folder, one above it or a root, which npllama "
                               "would replace whole; name a new file or folder, e.g. ./model")
     return p
+
+
+def _holds_cwd(path: Path) -> bool:
+    try:
+        return Path(os.getcwd()).is_relative_to(os.path.realpath(path))
+    except OSError:                     # the current folder was removed: nothing to protect
+        return False
 
 
 def same_file(a, b) -> bool:

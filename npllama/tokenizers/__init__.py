@@ -17,7 +17,8 @@ SentencePieceTokenizer
 
 HFTokenizer        a Hugging Face tokenizer.json, run in pure Python (tokenizer_json.py).
 
-Files: char.py, sentencepiece.py, tokenizer_json.py; this module reads any of them from JSON
+Files: char.py, sentencepiece.py, tokenizer_json.py (and regex_safety.py, which checks a
+tokenizer.json's regexes for unbounded backtracking); this module reads any of them from JSON
 or a path. The JSON form embeds a sentencepiece model as base64 so a checkpoint's safetensors metadata
 (a str -> str map) can carry its tokenizer.
 """
