@@ -1,14 +1,16 @@
-"""Argument checks shared by every layer: whole numbers, real numbers, dtypes.
+"""Argument checks shared by every layer: whole numbers, real numbers, dtypes, JSON text.
 
 The rules in one place: a bool is never a number here (True is an int subclass, but
 n_heads=True is a typo, not a size), NumPy scalars count like Python ones, and a real number
 must be finite. Each check raises NpllamaError (a ValueError) naming the argument and the range
-it must lie in.
+it must lie in. JSON read from a file or from metadata goes through parse_json, which refuses
+nesting deeper than MAX_JSON_DEPTH before the parser recurses into it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -79,3 +81,51 @@ def dataclass_from_dict(cls, d, what: str):
     if unknown:
         raise NpllamaError(f"unknown {what} fields {unknown}; known fields are {sorted(known)}")
     return cls(**d)
+
+
+# Every JSON npllama reads (config.json, tokenizer.json, safetensors headers and metadata,
+# training state, metrics.jsonl, the run lock) nests a handful of levels: tokenizer.json, the
+# deepest, about 8. json.loads recurses once per level and ends in RecursionError past ~1000.
+MAX_JSON_DEPTH = 100
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of [ and { in JSON text, brackets inside strings left out (0 for a scalar).
+
+    Linear, and vectorised over the bytes: a quote opens or closes a string unless an odd run of
+    backslashes precedes it; a bracket counts when an even number of such quotes precede it.
+    """
+    codes = np.frombuffer(text.encode("utf-8", errors="surrogatepass"), dtype=np.uint8)
+    quotes = np.flatnonzero(codes == 34)
+    backslash = codes == 92
+    escaped = quotes[(quotes > 0) & backslash[quotes - 1]]           # rare: work out their runs only
+    if escaped.size:
+        runs = np.flatnonzero(backslash & ~np.concatenate(([False], backslash[:-1])))   # where each run starts
+        run_start = runs[np.searchsorted(runs, escaped - 1, side="right") - 1]
+        quotes = np.setdiff1d(quotes, escaped[(escaped - run_start) % 2 == 1], assume_unique=True)
+    brackets = np.flatnonzero((codes == 91) | (codes == 93) | (codes == 123) | (codes == 125))
+    outside = brackets[np.searchsorted(quotes, brackets) % 2 == 0]
+    step = np.where((codes[outside] == 91) | (codes[outside] == 123), 1, -1)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def parse_json(text, what: str, error: type = NpllamaError, max_depth: int = MAX_JSON_DEPTH):
+    """json.loads(text) for text read from a file or metadata, or `error` (an NpllamaError class)
+    naming `what`: text that is not UTF-8 or not JSON, or that nests deeper than max_depth levels
+    (refused before parsing, so hostile nesting is never a RecursionError)."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise error(f"{what} is not UTF-8 text ({e})") from None
+    if not isinstance(text, str):
+        raise error(f"{what} must be JSON text, got {type(text).__name__}")
+    # fewer brackets than the limit cannot nest deeper than it: most texts skip the scan
+    depth = 0 if text.count("[") + text.count("{") <= max_depth else json_depth(text)
+    if depth > max_depth:
+        raise error(f"{what} nests JSON {depth} levels deep; npllama reads at most {max_depth} "
+                    "(the file is damaged or was not made for this)")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:      # JSONDecodeError, or an integer of too many digits
+        raise error(f"{what} is not valid JSON ({e})") from None

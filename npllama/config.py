@@ -10,7 +10,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from .checks import check_int, check_real, dataclass_from_dict
+from .checks import check_int, check_real, dataclass_from_dict, parse_json
 from .errors import NpllamaError
 
 
@@ -123,8 +123,4 @@ class LlamaConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "LlamaConfig":
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise NpllamaError(f"config is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(parse_json(text, "the config"))

@@ -16,6 +16,7 @@ import npllama
 from npllama.io import checkpoint as ck, hf as cv
 from npllama.io.errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError
 from npllama.io.llama2c import LLAMA2C_MAGIC
+from npllama.io.metadata import SAVE_ID_KEY
 from npllama.io.safetensors import Bfloat16, read_safetensors, read_safetensors_header, write_safetensors_atomic
 from npllama.storage import bfloat16_to_float32, float32_to_bfloat16
 from npllama.ops import rope_frequencies
@@ -168,7 +169,8 @@ def test_sentencepiece_tokenizer_travels_with_both_formats(tmp_path):
     assert (folder / "tokenizer.model").read_bytes() == data_file("llama2-tokenizer.model").read_bytes()
     hf = json.loads((folder / "config.json").read_text())
     assert (hf["bos_token_id"], hf["eos_token_id"]) == (tok.bos_id, tok.eos_id) == (1, 2)
-    assert read_safetensors_header(folder / "model.safetensors")[1] == {"format": "pt"}
+    metadata = read_safetensors_header(folder / "model.safetensors")[1]
+    assert metadata.pop(SAVE_ID_KEY) == hf[SAVE_ID_KEY] and metadata == {"format": "pt"}    # no tokenizer inside
     assert npllama.load(folder).tokenizer == tok
     assert npllama.load(npllama.save(model, tmp_path / "m.safetensors", format="meta")).tokenizer == tok
     (folder / "tokenizer.model").unlink()
@@ -183,7 +185,7 @@ def test_hf_round_trip_without_torch(tiny_config, tmp_path):
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
     assert hf["num_key_value_heads"] == tiny_config.n_kv_heads and hf["torch_dtype"] == "float32"
     tensors, meta = read_safetensors(folder / "model.safetensors")
-    assert meta == {"format": "pt"}
+    assert meta == {"format": "pt", SAVE_ID_KEY: hf[SAVE_ID_KEY]}        # one save: config.json says the same
     assert ("lm_head.weight" in tensors) == (not tiny_config.tie_embeddings)
     wq = model.params["layers.1.attention.wq.weight"]
     assert not np.array_equal(tensors["model.layers.1.self_attn.q_proj.weight"], wq)  # permuted on save
@@ -236,8 +238,13 @@ def test_sharded_hf_folder_loads(tmp_path):
     _write_sharded(tmp_path / "sharded", model)
     back = npllama.load(tmp_path / "sharded")
     np.testing.assert_array_equal(back.forward(TOKENS), model.forward(TOKENS))
-    with pytest.raises(FileExistsError, match="sharded"):
-        npllama.save(model, tmp_path / "sharded", format="hf")
+    # a save there replaces the sharded model whole (io/atomic.py): no old shard can shadow the new
+    # weights, and a file that is not part of a model stays
+    (tmp_path / "sharded" / "README.md").write_text("notes")
+    other = random_model(gqa_config(), seed=1)
+    npllama.save(other, tmp_path / "sharded", format="hf")
+    assert {p.name for p in (tmp_path / "sharded").iterdir()} == {"README.md", "config.json", "model.safetensors"}
+    np.testing.assert_array_equal(npllama.load(tmp_path / "sharded").forward(TOKENS), other.forward(TOKENS))
 
 
 def test_sharded_folder_with_a_missing_or_inconsistent_shard_is_refused(tmp_path):

@@ -50,6 +50,15 @@ def _discard_stdout() -> None:
         os.close(devnull)
 
 
+def describe_bare(error: BaseException, command: str) -> str:
+    """What to print for an error raised without a message, so no error line is ever empty."""
+    if isinstance(error, MemoryError):
+        return (f"out of memory ({type(error).__name__} with no message) during `npllama {command}`: the "
+                "process could not get the memory it asked for; choose smaller settings or free some memory")
+    return (f"{type(error).__name__} with no message during `npllama {command}` (an error npllama did not "
+            "word: please report it, with the command line)")
+
+
 def main(argv: list[str] | None = None) -> int:
     if sys.stdout is None:          # started with stdout closed: nothing to show, the files still count
         sys.stdout = open(os.devnull, "w")
@@ -64,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         _discard_stdout()
         return EXIT_PIPE_CLOSED
     except OSError as e:
-        print(f"npllama {args.command}: error: {describe_os_error(e)}", file=sys.stderr)
+        print(f"npllama {args.command}: error: {describe_os_error(e) or describe_bare(e, args.command)}",
+              file=sys.stderr)
         return 1
     except (ValueError, MemoryError) as e:
         # Bad input is the user's to fix: one line naming it, not a traceback. (npllama's errors are
         # all ValueErrors; a MemoryError that npllama.memory did not foresee is not a bug either.)
-        print(f"npllama {args.command}: error: {e or 'out of memory'}", file=sys.stderr)
+        print(f"npllama {args.command}: error: {str(e).strip() or describe_bare(e, args.command)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"npllama {args.command}: interrupted", file=sys.stderr)

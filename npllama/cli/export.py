@@ -6,6 +6,11 @@
 
 A LoRA training checkpoint is read with its base (which must be unchanged) and exported merged,
 so transformers' LlamaForCausalLM.from_pretrained(OUT) gives the fine-tuned model's logits.
+
+--out is never one of the inputs (the checkpoint, its LoRA base, its config.json, --tokenizer),
+nor inside or around one (io/outputs.py), and never a training or LoRA checkpoint, whose
+optimizer state or adapters the bare model would replace, unless --overwrite-checkpoint says so
+(then the old file stays until the new one is complete: io/atomic.py).
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import sys
 from pathlib import Path
 
 from ..io import load, save
+from ..io.errors import OutputPathError
+from ..io.outputs import (check_output_path, check_save_target, checkpoint_kind, model_inputs, refuse_inputs,
+                          same_file)
 from ..tokenizers import SentencePieceTokenizer
 from ..train.config import export_format
 from ..errors import NpllamaError
@@ -39,19 +47,40 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="SPM_FILE",
                    help="a sentencepiece .model to write with the model (for a llama2.c .bin, which has none) "
                         "[default: the checkpoint's]")
+    p.add_argument("--overwrite-checkpoint", action="store_true",
+                   help="let --out replace a training or LoRA checkpoint (its optimizer state or adapters are "
+                        "lost; the model itself is kept, merged); without it that is refused")
     p.set_defaults(func=run)
     return p
 
 
+def _refuse_inputs(out: Path, args: argparse.Namespace) -> None:
+    """Refuse an --out that is, holds or lies inside an input; --overwrite-checkpoint lets a training
+    or LoRA checkpoint be exported onto itself (the bare model replaces it, whole, once complete)."""
+    inputs = model_inputs(args.model, "the checkpoint being exported (-m)")
+    kind = checkpoint_kind(args.model)
+    if kind and same_file(out, args.model):
+        if not args.overwrite_checkpoint:
+            raise OutputPathError(f"--out {out} is the checkpoint being exported (-m), {kind}; the bare model would "
+                                  "replace it: write to another path, or add --overwrite-checkpoint to replace it")
+        del inputs["the checkpoint being exported (-m)"]
+    if getattr(args, "tokenizer", None):
+        inputs["--tokenizer"] = args.tokenizer
+    refuse_inputs(out, inputs, "--out")
+
+
 def run(args: argparse.Namespace) -> int:
+    out = check_output_path(args.out, "--out", whole=True)
     fmt = getattr(args, "format", None) or export_format(args.out)
     if fmt is None:
         raise NpllamaError(f"--out {args.out}: give a folder (Hugging Face) or a file ending in .safetensors, "
                          "or say which with --format")
+    _refuse_inputs(out, args)
+    check_save_target(out, fmt, args.overwrite_checkpoint, flag="--overwrite-checkpoint")
     model = load(args.model)
     if getattr(args, "tokenizer", None):
         model.tokenizer = SentencePieceTokenizer.from_file(args.tokenizer)
-    out = save(model, Path(args.out), format=fmt, dtype=args.dtype)
+    out = save(model, out, format=fmt, dtype=args.dtype, overwrite_checkpoint=args.overwrite_checkpoint)
     cfg = model.config
     print(f"[npllama export] {args.model} -> {out} ({fmt}, {args.dtype}; {cfg.n_params():,} params, dim {cfg.dim}, "
           f"{cfg.n_layers} layers; tokenizer: {model.tokenizer!r})", file=sys.stderr)

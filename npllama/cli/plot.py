@@ -35,7 +35,12 @@ def run(args: argparse.Namespace) -> int:
     metrics = run_dir / METRICS_NAME
     if not metrics.is_file():
         raise MissingFileError(f"no {METRICS_NAME} in {run_dir}; pass the --out-dir of a training run")
-    print(loss_chart(*read_metrics(metrics), width=getattr(args, "width", None), height=args.height))
+    skipped = []
+    print(loss_chart(*read_metrics(metrics, skipped), width=getattr(args, "width", None), height=args.height))
+    if skipped:
+        shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        print(f"note: left out {len(skipped)} damaged line(s) of {metrics} (line {shown}): not a JSON "
+              "object with a numeric step and loss", file=sys.stderr)
     png = plot_metrics(metrics, run_dir / PLOT_NAME)
     if png is None:
         print(f"{PLOT_NAME} not drawn: matplotlib is not installed (pip install matplotlib, or "

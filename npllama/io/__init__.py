@@ -8,7 +8,8 @@
     lora.py         LoRA checkpoints: the adapters, the base they name and its fingerprint
     footprint.py    the memory a load will take, from the tensors' shapes and dtypes
     pickles.py      pickle refusal: never unpickled
-    atomic.py       atomic writes: a temp file, fsync, one rename
+    atomic.py       atomic writes: a temp file (or folder), fsync, one rename; never through a link
+    outputs.py      where npllama may write: never over an input or, unasked, a checkpoint
     integrity.py    CRC-32s of the header and every tensor: recorded on writing, verified on reading
     errors.py       the exceptions, all NpllamaErrors (ValueErrors) with hints
 """

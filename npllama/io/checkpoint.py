@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -43,6 +45,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import memory
+from ..checks import parse_json
 from ..config import LlamaConfig
 from ..errors import MissingFileError, NpllamaError
 from ..backend import check_backend_name
@@ -50,15 +53,16 @@ from ..llama import Llama, LoraLlama
 from ..storage import all_finite, compute_dtype_of, is_half, storage_dtype_name, to_float, to_storage
 from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer, tokenizer_from_folder
-from .atomic import write_bytes_atomic
+from .atomic import write_bytes_atomic, write_folder_atomic
 from .errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError, PICKLE_HINT
 from .footprint import LoadFootprint, load_footprint
 from .hf import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_meta_name, is_hf_name, llama_to_hf_config,
                  meta_to_hf, meta_to_hf_name, permute_hf_to_meta)
 from .llama2c import read_llama2c
 from .lora import read_adapted
-from .metadata import (CONFIG_KEY, LORA_KEY, OPTIMIZER_PREFIX, TOKENIZER_KEY, config_from_metadata,
+from .metadata import (CONFIG_KEY, LORA_KEY, OPTIMIZER_PREFIX, SAVE_ID_KEY, TOKENIZER_KEY, config_from_metadata,
                        is_training_checkpoint, model_metadata, tokenizer_from_metadata)
+from .outputs import check_output_path, check_save_target, refuse_inputs, replaced_by_a_model
 from .pickles import looks_pickled_name, refuse_pickle_magic, refuse_pickle_name
 from .safetensors import Bfloat16, map_safetensors, release_pages, write_safetensors_atomic
 
@@ -223,10 +227,7 @@ def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig,
 
 def _config_from_json_file(path: Path) -> tuple[LlamaConfig, bool]:
     """(config, is_hf) from a config.json holding either HF keys or LlamaConfig.to_json keys."""
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    d = parse_json(path.read_bytes(), str(path), CheckpointError)
     try:
         if isinstance(d, dict) and "hidden_size" not in d and "dim" in d:
             return LlamaConfig.from_dict(d), False
@@ -245,10 +246,7 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, dict, str]:
         tensors, metadata, codes = map_safetensors(single, verify)
         return tensors, metadata, codes, str(single)
     if index.is_file():
-        try:
-            idx = json.loads(index.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+        idx = parse_json(index.read_bytes(), str(index), CheckpointError)
         wmap = idx.get("weight_map") if isinstance(idx, dict) else None
         if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
             raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> shard file")
@@ -260,6 +258,9 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, dict, str]:
             if not shard_path.is_file():
                 raise MissingFileError(f"{index} lists shard {shard!r}, which is not in {folder}")
             part, meta, part_codes = map_safetensors(shard_path, verify)
+            if meta.get(SAVE_ID_KEY) != metadata.get(SAVE_ID_KEY, meta.get(SAVE_ID_KEY)):
+                raise CheckpointError(f"{shard_path}: written by another save than the shards before it; "
+                                      "save or export the folder again")
             metadata.update(meta)
             listed = {n for n, s in wmap.items() if s == shard}
             absent, unlisted = sorted(listed - set(part)), sorted(set(part) - listed)
@@ -276,6 +277,68 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, dict, str]:
                             "expected a Hugging Face LlamaForCausalLM folder")
 
 
+def _read_folder_once(path: Path, verify: bool):
+    """(tensors, metadata, codes, source, config, is_hf, tokenizer) of a Hugging Face folder, read once."""
+    tensors, metadata, codes, source = _read_hf_folder(path, verify)
+    cfg_file = path / "config.json"
+    if cfg_file.is_file():
+        cfg, hf = _config_from_json_file(cfg_file)
+    elif CONFIG_KEY in metadata:
+        cfg, hf = config_from_metadata(metadata, source), False
+    else:
+        raise MissingFileError(f"{path}: no config.json; a Hugging Face folder needs one "
+                                "(save_pretrained writes it)")
+    tokenizer = tokenizer_from_metadata(metadata, source)
+    if tokenizer is None and (path / "tokenizer.model").is_file():
+        tokenizer = SentencePieceTokenizer.from_file(path / "tokenizer.model")
+    elif tokenizer is None:
+        # transformers 5's save_pretrained writes tokenizer.json only
+        tokenizer, problem = tokenizer_from_folder(path)
+        if problem:
+            warnings.warn(f"{problem}; the model loads without a tokenizer", stacklevel=5)
+    return tensors, metadata, codes, source, cfg, hf, tokenizer
+
+
+def _save_id(folder: Path) -> str | None:
+    """The SAVE_ID_KEY of folder/config.json, or None (no such file, no id, or unreadable: the read says why)."""
+    try:
+        d = parse_json((folder / "config.json").read_bytes(), "config.json")
+    except (OSError, ValueError):
+        return None
+    value = d.get(SAVE_ID_KEY) if isinstance(d, dict) else None
+    return value if isinstance(value, str) else None
+
+
+_SWAP_RETRIES = 20      # a writer swaps a folder in one rename: a reader that straddles one reads again
+
+
+def _read_folder(path: Path, verify: bool):
+    """_read_folder_once, of one save only. A folder npllama saved carries one save id in config.json
+    and model.safetensors (save()); a read that saw the id change under it (another process saved
+    into the folder meanwhile: io/atomic.py write_folder_atomic) is read again, so the config,
+    weights and tokenizer returned are one save's. Ids that disagree in a folder nobody is writing
+    mean its files come from two saves: CheckpointError."""
+    for attempt in range(_SWAP_RETRIES):
+        before = _save_id(path)
+        try:
+            parts = _read_folder_once(path, verify)
+        except (CheckpointError, MissingFileError):
+            if _save_id(path) == before:
+                raise
+        else:
+            weights = parts[1].get(SAVE_ID_KEY)
+            if before is None or (weights == before and _save_id(path) == before):
+                return parts
+            if _save_id(path) == before:
+                raise CheckpointError(
+                    f"{path}: config.json (save {before}) and the weights (save {weights}) were not written by one "
+                    "save, so the config may not be the weights'; save or export the folder again (or, if you put "
+                    f"these files together on purpose, delete the {SAVE_ID_KEY!r} line of config.json)")
+        time.sleep(0.01 * (attempt + 1))
+    raise CheckpointError(f"{path}: changed while it was being read, {_SWAP_RETRIES} times (another process keeps "
+                          "saving into it); retry when that process is done")
+
+
 def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None,
                     verify: bool = True, mmap: bool = True) -> Loaded:
     """Read any supported checkpoint into (config, Meta-named params, tokenizer, notes); see load()."""
@@ -289,23 +352,7 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mapped: bool) ->
     if not path.exists():
         raise MissingFileError(f"{path}: no such file or folder")
     if path.is_dir():
-        tensors, metadata, codes, source = _read_hf_folder(path, verify)
-        cfg_file = path / "config.json"
-        if cfg_file.is_file():
-            cfg, hf = _config_from_json_file(cfg_file)
-        elif CONFIG_KEY in metadata:
-            cfg, hf = config_from_metadata(metadata, source), False
-        else:
-            raise MissingFileError(f"{path}: no config.json; a Hugging Face folder needs one "
-                                    "(save_pretrained writes it)")
-        tokenizer = tokenizer_from_metadata(metadata, source)
-        if tokenizer is None and (path / "tokenizer.model").is_file():
-            tokenizer = SentencePieceTokenizer.from_file(path / "tokenizer.model")
-        elif tokenizer is None:
-            # transformers 5's save_pretrained writes tokenizer.json only
-            tokenizer, problem = tokenizer_from_folder(path)
-            if problem:
-                warnings.warn(f"{problem}; the model loads without a tokenizer", stacklevel=3)
+        tensors, metadata, codes, source, cfg, hf, tokenizer = _read_folder(path, verify)
     else:
         refuse_pickle_name(path)
         suffix = path.suffix.lower()
@@ -392,7 +439,7 @@ def _cast_for_save(arr: np.ndarray, name: str):
     return Bfloat16(out) if name == "bfloat16" else out
 
 
-def save(model, path, format: str = "hf", dtype="float32") -> Path:
+def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoint: bool = False) -> Path:
     """Write model to path; returns the path written.
 
     format="hf":   path is a folder (created if needed) holding model.safetensors (HF names,
@@ -406,12 +453,19 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
                    JSON when model.tokenizer is set}.
     dtype: "float32" (default, whatever the model's dtype or storage dtype), "float64", "float16" or
                    "bfloat16".
-    A LoraLlama is saved merged: each adapted weight as W + s B A.
-    Every file is written atomically: an existing file is replaced whole or left untouched.
+    A LoraLlama is saved merged: each adapted weight as W + s B A; never onto its base model.
+    Every file is written atomically: an existing file is replaced whole or left untouched. A
+    folder is written whole (io/atomic.py write_folder_atomic): a reader sees the old folder or
+    the new one; the old model's files go, anything else in the folder is kept. config.json and
+    model.safetensors carry the same fresh SAVE_ID_KEY, which load compares.
+    overwrite_checkpoint: replace a training or LoRA checkpoint at path (refused otherwise:
+    io/outputs.py); a symbolic link at path is always refused.
     """
+    path = check_output_path(path, "the path to save to", whole=True)
     if isinstance(model, LoraLlama):
+        refuse_inputs(path, {"the base model of these LoRA adapters": getattr(model, "base_path", None)},
+                      "the path to save to")
         model = model.merged()
-    path = Path(path)
     dname = _save_dtype_name(dtype)
     cfg, params = model.config, model.params
     tokenizer = getattr(model, "tokenizer", None)
@@ -422,32 +476,35 @@ def save(model, path, format: str = "hf", dtype="float32") -> Path:
                                "give a path ending in .safetensors")
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a folder; format='meta' writes one .safetensors file")
+        check_save_target(path, format, overwrite_checkpoint)
         tensors = {n: _cast_for_save(params[n], dname) for n in cfg.param_shapes()}
         write_safetensors_atomic(path, tensors, meta)
         return path
     if format == "hf":
         if path.exists() and not path.is_dir():
             raise FileExistsError(f"{path} is a file; format='hf' writes a folder")
-        if (path / "model.safetensors.index.json").exists():
-            raise FileExistsError(f"{path} holds a sharded checkpoint (model.safetensors.index.json); "
-                                  "save into a new folder so the old shards cannot shadow the new weights")
-        path.mkdir(parents=True, exist_ok=True)
+        check_save_target(path, format, overwrite_checkpoint)
         hf = meta_to_hf({n: params[n] for n in cfg.param_shapes()}, cfg)
         del meta[CONFIG_KEY]                 # config.json carries it, in transformers' terms
-        proto = getattr(tokenizer, "model_proto", None)
-        if isinstance(proto, (bytes, bytearray)):  # SentencePiece: the file transformers' LlamaTokenizer reads
-            write_bytes_atomic(path / "tokenizer.model", bytes(proto))
-            del meta[TOKENIZER_KEY]
-        elif hasattr(tokenizer, "hf_files"):         # tokenizer.json (+ its config), as it was read
-            for name, text in tokenizer.hf_files().items():
-                if text is not None:
-                    write_bytes_atomic(path / name, text.encode("utf-8"))
-            del meta[TOKENIZER_KEY]
-        write_safetensors_atomic(path / "model.safetensors", {n: _cast_for_save(t, dname) for n, t in hf.items()},
-                                 meta)
-        hf_cfg = llama_to_hf_config(cfg, torch_dtype=dname,
-                                    bos_id=getattr(tokenizer, "bos_id", None),
-                                    eos_id=getattr(tokenizer, "eos_id", None))
-        write_bytes_atomic(path / "config.json", (json.dumps(hf_cfg, indent=2) + "\n").encode("utf-8"))
-        return path
+        meta[SAVE_ID_KEY] = uuid.uuid4().hex
+
+        def write_contents(path):            # a new temporary folder, which then replaces the old one whole
+            proto = getattr(tokenizer, "model_proto", None)
+            if isinstance(proto, (bytes, bytearray)):  # SentencePiece: the file transformers' LlamaTokenizer reads
+                write_bytes_atomic(path / "tokenizer.model", bytes(proto))
+                del meta[TOKENIZER_KEY]
+            elif hasattr(tokenizer, "hf_files"):         # tokenizer.json (+ its config), as it was read
+                for name, text in tokenizer.hf_files().items():
+                    if text is not None:
+                        write_bytes_atomic(path / name, text.encode("utf-8"))
+                del meta[TOKENIZER_KEY]
+            write_safetensors_atomic(path / "model.safetensors",
+                                     {n: _cast_for_save(t, dname) for n, t in hf.items()}, meta)
+            hf_cfg = llama_to_hf_config(cfg, torch_dtype=dname,
+                                        bos_id=getattr(tokenizer, "bos_id", None),
+                                        eos_id=getattr(tokenizer, "eos_id", None))
+            hf_cfg[SAVE_ID_KEY] = meta[SAVE_ID_KEY]
+            write_bytes_atomic(path / "config.json", (json.dumps(hf_cfg, indent=2) + "\n").encode("utf-8"))
+
+        return write_folder_atomic(path, write_contents, replaced_by_a_model(path))
     raise NpllamaError(f"format={format!r}; use 'hf' (a transformers folder) or 'meta' (one .safetensors file)")

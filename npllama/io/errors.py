@@ -1,4 +1,4 @@
-"""The errors npllama raises for files it cannot read: each an NpllamaError (a ValueError), with a hint."""
+"""The errors npllama raises for files it cannot read or will not write: each an NpllamaError (a ValueError), with a hint."""
 
 from ..errors import NpllamaError
 
@@ -28,3 +28,8 @@ PICKLE_HINT = (
     "safetensors instead, e.g. `python tools/export_torch.py --hf FOLDER --out OUT_FOLDER`, or in "
     "Python `model.save_pretrained(out_dir, safe_serialization=True)` for a transformers model, or "
     "`safetensors.torch.save_file(state_dict, 'model.safetensors')` with a config.json beside it")
+
+
+class OutputPathError(NpllamaError):
+    """A path npllama refuses to write: empty, a symbolic link, one of the command's own inputs, or a
+    checkpoint it would destroy (the message names the path and what to do instead)."""

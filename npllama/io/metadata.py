@@ -14,12 +14,16 @@ A safetensors header carries a str -> str map beside the tensors. npllama's file
                            fingerprint (io/lora.py)}; loading merges the adapters into that base
     "npllama_checksum"     in every file npllama writes: CRC-32s of the header and of each
                            tensor's bytes, verified on reading (io/integrity.py)
+    "npllama_save_id"      in the model.safetensors of a Hugging Face folder npllama saved, and
+                           under the same key in its config.json: a fresh id per save, so a
+                           reader can tell the files of one save from a mix of two (io/checkpoint.py)
 """
 
 from __future__ import annotations
 
 import json
 
+from ..checks import parse_json
 from ..config import LlamaConfig
 from ..lora import LoraSpec
 from ..tokenizers import tokenizer_from_json
@@ -32,6 +36,7 @@ TRAIN_STATE_KEY = "npllama_train_state"
 OPTIMIZER_PREFIX = "optimizer."
 LORA_KEY = "npllama_lora"
 CHECKSUM_KEY = "npllama_checksum"
+SAVE_ID_KEY = "npllama_save_id"
 
 
 def model_metadata(config: LlamaConfig, tokenizer=None) -> dict[str, str]:
@@ -74,7 +79,7 @@ def lora_metadata(spec: LoraSpec, base_path: str, base_sha256: str) -> dict[str,
 def lora_from_metadata(metadata: dict, source: str) -> tuple[LoraSpec, str, str]:
     """(spec, base path, base fingerprint) under LORA_KEY; CheckpointError naming the problem if unusable."""
     try:
-        d = json.loads(metadata[LORA_KEY])
+        d = parse_json(metadata[LORA_KEY], LORA_KEY)
         return LoraSpec.from_json(json.dumps(d["spec"])), str(d["base"]), str(d["base_sha256"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: metadata {LORA_KEY} is missing or unusable: {e}") from None

@@ -26,12 +26,12 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import memory
-from ..checks import is_integer
+from ..checks import is_integer, parse_json
 from ..errors import MemoryLimitError, MissingFileError, NpllamaError
 from ..storage import bfloat16_to_float32
 from .atomic import write_atomic
 from .errors import CheckpointError
-from .integrity import Verifier, checksum_metadata
+from .integrity import Verifier, checksum_metadata, refuse_damaged_record
 from .metadata import CHECKSUM_KEY
 from .pickles import refuse_pickle_magic
 
@@ -98,8 +98,14 @@ def _table(entries) -> dict:
 
 
 def _verifier(path: Path, entries, metadata: dict, verify: bool) -> Verifier | None:
-    """A Verifier for a file that records checksums (checking its header now), else None."""
-    return Verifier(path, _table(entries), metadata) if verify and CHECKSUM_KEY in metadata else None
+    """A Verifier for a file that records checksums (checking its header now), else None; a record
+    under a damaged key is refused (io/integrity.py)."""
+    if not verify:
+        return None
+    if CHECKSUM_KEY not in metadata:
+        refuse_damaged_record(path, metadata)
+        return None
+    return Verifier(path, _table(entries), metadata)
 
 
 def read_safetensors_header(path, verify: bool = True) -> tuple[dict[str, tuple[str, tuple]], dict[str, str]]:
@@ -125,10 +131,7 @@ def _read_header(f, path: Path):
         raise CheckpointError(f"{path}: header length {n} does not fit in the {size}-byte file; "
                               "the file is truncated, corrupt, or not safetensors")
     raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e}); the file is corrupt") from None
+    header = parse_json(raw, f"{path}: the safetensors header (the file is corrupt)", CheckpointError)
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object; "
                               "the file is corrupt")

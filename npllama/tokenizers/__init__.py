@@ -17,7 +17,8 @@ SentencePieceTokenizer
 
 HFTokenizer        a Hugging Face tokenizer.json, run in pure Python (tokenizer_json.py).
 
-Files: char.py, sentencepiece.py, tokenizer_json.py; this module reads any of them from JSON
+Files: char.py, sentencepiece.py, tokenizer_json.py (and regex_safety.py, which checks a
+tokenizer.json's regexes for unbounded backtracking); this module reads any of them from JSON
 or a path. The JSON form embeds a sentencepiece model as base64 so a checkpoint's safetensors metadata
 (a str -> str map) can carry its tokenizer.
 """
@@ -25,10 +26,10 @@ or a path. The JSON form embeds a sentencepiece model as base64 so a checkpoint'
 from __future__ import annotations
 
 import base64
-import json
 import os
 from pathlib import Path
 
+from ..checks import parse_json
 from ..errors import MissingFileError, NpllamaError
 from .char import CharTokenizer
 from .sentencepiece import SentencePieceTokenizer, train_sentencepiece
@@ -40,10 +41,7 @@ __all__ = ["CharTokenizer", "SentencePieceTokenizer", "train_sentencepiece", "to
 
 def tokenizer_from_json(text: str):
     """Rebuild a tokenizer from its to_json() text (as stored in checkpoint metadata)."""
-    try:
-        d = json.loads(text)
-    except (TypeError, json.JSONDecodeError) as e:
-        raise NpllamaError(f"tokenizer JSON is not valid JSON: {e}") from None
+    d = parse_json(text, "tokenizer JSON")
     kind = d.get("type") if isinstance(d, dict) else None
     if kind == "char" and isinstance(d.get("chars"), str):
         return CharTokenizer(d["chars"])

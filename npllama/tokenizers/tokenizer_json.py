@@ -83,7 +83,9 @@ import os
 import re
 from pathlib import Path
 
+from ..checks import parse_json
 from ..errors import MissingFileError, NpllamaError
+from .regex_safety import UnboundedRegexError, check_tokenizer_regexes
 
 
 class TokenizerJSONError(NpllamaError):
@@ -665,17 +667,9 @@ class _Decoder:
 def _load_json(text, what: str) -> dict:
     if isinstance(text, dict):
         return text
-    if isinstance(text, (bytes, bytearray)):
-        try:
-            text = bytes(text).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TokenizerJSONError(f"{what} is not UTF-8 text: {e}") from None
-    if not isinstance(text, str):
+    if not isinstance(text, (str, bytes, bytearray)):
         raise TokenizerJSONError(f"{what} must be JSON text or a dict, got {type(text).__name__}")
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TokenizerJSONError(f"{what} is not valid JSON: {e}") from None
+    d = parse_json(text, what, TokenizerJSONError)
     if not isinstance(d, dict):
         raise TokenizerJSONError(f"{what} must hold a JSON object, got {type(d).__name__}")
     return d
@@ -734,6 +728,7 @@ class _HFTokenizerBase:
 
     def __init__(self, tokenizer_json, tokenizer_config=None):
         self._json = _load_json(tokenizer_json, "tokenizer.json")
+        check_tokenizer_regexes(self._json)     # before any text meets them, whichever engine runs them
         self._json_text = _text(tokenizer_json)
         self._config = {} if tokenizer_config is None else _load_json(tokenizer_config, "tokenizer_config.json")
         self._config_text = _text(tokenizer_config)
@@ -933,6 +928,18 @@ class _Stream:
 
 # ---------------------------------------------------------------- the `tokenizers` fallback
 
+def _library_call(run):
+    """run(), with a panic of the `tokenizers` library (its Rust code gave up: e.g. a regex past
+    Oniguruma's retry limit) as a TokenizerJSONError instead of pyo3's BaseException."""
+    try:
+        return run()
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise TokenizerJSONError(f"the `tokenizers` package failed on this tokenizer.json: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
 class LibraryHFTokenizer(_HFTokenizerBase):
     """Any tokenizer.json, run by Hugging Face's `tokenizers` package (an optional dependency).
 
@@ -955,7 +962,7 @@ class LibraryHFTokenizer(_HFTokenizerBase):
         self._resolve_specials(self._tok.token_to_id)
 
     def _encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return _library_call(lambda: self._tok.encode(text, add_special_tokens=False).ids)
 
     def _check(self, ids) -> list[int]:
         ids = [_check_id(i, self.vocab_size) for i in ids]
@@ -965,7 +972,8 @@ class LibraryHFTokenizer(_HFTokenizerBase):
         return ids
 
     def decode(self, ids) -> str:
-        return self._tok.decode(self._check(ids), skip_special_tokens=True)
+        ids = self._check(ids)
+        return _library_call(lambda: self._tok.decode(ids, skip_special_tokens=True))
 
     def stream_decoder(self) -> "_LibraryStream":
         return _LibraryStream(self)
@@ -1056,7 +1064,7 @@ def tokenizer_from_folder(folder):
         return hf_tokenizer(*_read_folder(folder)), None
     except UnsupportedTokenizerError as e:  # its message says what to install
         return None, f"cannot use {folder / 'tokenizer.json'}: {e}; or {instead}"
-    except (TokenizerJSONError, OSError) as e:
+    except (TokenizerJSONError, UnboundedRegexError, OSError) as e:
         return None, f"cannot use {folder / 'tokenizer.json'}: {e}; {instead}"
 
 

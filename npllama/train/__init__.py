@@ -5,6 +5,8 @@
     loop.py        train(): start or resume, plan, the loop, finish
     metrics.py     metrics.jsonl and the loss curve
     checkpoint.py  training checkpoints: model, optimizer state and run state in one file
+    lock.py        one run per --out-dir (flock on train.lock)
+    run_files.py   the files a run writes, checked against its inputs before it starts
 """
 
 from .config import PRESETS, TrainConfig, preset

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..checks import check_int, check_real, is_integer, is_real
+from ..checks import check_int, check_real, is_integer, is_real, parse_json
 from ..errors import MissingFileError, NpllamaError
 from ..io import load
 from ..io.errors import CheckpointError
@@ -93,10 +93,7 @@ def _parse_state(path: Path, metadata: dict) -> dict:
     if TRAIN_STATE_KEY not in metadata:
         raise NpllamaError(f"{path} holds model weights but no training state ({TRAIN_STATE_KEY!r}); "
                            "it cannot be resumed (it can still be loaded with npllama.load)")
-    try:
-        state = json.loads(metadata[TRAIN_STATE_KEY])
-    except ValueError as e:
-        raise NpllamaError(f"{path}: the training state is not valid JSON ({e}); the file is damaged") from None
+    state = parse_json(metadata[TRAIN_STATE_KEY], f"{path}: the training state (the file is damaged)")
     if not isinstance(state, dict) or state.get("version") != FORMAT_VERSION:
         version = state.get("version") if isinstance(state, dict) else None
         raise NpllamaError(f"{path}: training state version {version!r} is not {FORMAT_VERSION}; "

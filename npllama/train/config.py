@@ -16,6 +16,7 @@ from ..checks import check_int, check_real, dataclass_from_dict, is_real
 from ..config import LlamaConfig
 from ..lora import LoraSpec
 from ..errors import NpllamaError
+from ..io.outputs import check_output_path
 
 def _f(help_text: str, **kw):
     return field(metadata={"help": help_text, **kw.pop("meta", {})}, **kw)
@@ -130,6 +131,9 @@ class TrainConfig:
             raise NpllamaError("--max-steps is 0 and there is no --time-budget; give one of them so the run can end")
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise NpllamaError(f"--out-dir={self.out_dir!r} must name a folder")
+        check_output_path(self.out_dir, "--out-dir")            # not only whitespace, no NUL
+        if self.export is not None:
+            check_output_path(self.export, "--export", whole=True)
         if self.export is not None and export_format(self.export) is None:
             raise NpllamaError(f"--export={self.export!r} must be a path ending in .safetensors (one file) "
                              "or a folder without a suffix (Hugging Face)")

@@ -11,6 +11,8 @@ those messages. A run that ends (normally, by an error or by Ctrl-C) deletes the
 still holding the lock, and a start that failed before writing anything (a missing --data,
 say) also removes the folder it created, so a typo leaves nothing behind. Deleting is safe
 because `_lock` checks, after locking, that the file it locked is still the one at the path.
+The lock is opened with O_NOFOLLOW: a symbolic link (or a hard link) planted at train.lock is
+refused with one line, never followed, so the file it points at keeps its contents.
 
 flock is advisory and per machine: it stops two `npllama train` runs on one machine (or on
 NFS, where Linux maps it to a lock the server keeps), not an unrelated program writing there.
@@ -18,14 +20,19 @@ NFS, where Linux maps it to a lock the server keeps), not an unrelated program w
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
+from ..checks import parse_json
 from ..errors import NpllamaError
+from ..io.atomic import refuse_symlink
+from ..io.errors import OutputPathError
 
 LOCK_NAME = "train.lock"
 
@@ -66,7 +73,7 @@ def _holder_text(holder: dict | None) -> str:
 def _read_holder(f) -> dict | None:
     f.seek(0)
     try:
-        holder = json.loads(f.read() or "null")
+        holder = parse_json(f.read() or "null", "the lock file")
     except ValueError:
         return None
     return holder if isinstance(holder, dict) else None
@@ -84,11 +91,28 @@ class RunLock:
         self._file = None
         self._created_dir = False
 
+    def _open(self):
+        """self.path opened for reading and writing, created if missing, never through a symbolic link
+        (O_NOFOLLOW) and never a file that has other names (truncating it would empty those too)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:          # O_NOFOLLOW met a symbolic link
+                refuse_symlink(self.path)
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            what = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a plain file"
+            raise OutputPathError(f"{self.path} is {what}, which the run's lock would overwrite; remove it "
+                                  "(npllama creates the lock itself)")
+        return open(fd, "r+", encoding="utf-8")
+
     def _lock(self):
         """An open, flock-ed file that is still the one at self.path (a run that failed to start may
         have removed the path between our open and our flock: then open the new one)."""
         for _ in range(100):
-            f = open(self.path, "a+", encoding="utf-8")
+            f = self._open()
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -97,7 +121,7 @@ class RunLock:
                 raise RunLockedError(f"{self.out_dir} is in use by another training run ({_holder_text(holder)}); "
                                      "wait for it to end, or choose another --out-dir") from None
             try:
-                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                if os.lstat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
                     return f
             except FileNotFoundError:
                 pass

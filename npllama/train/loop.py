@@ -58,6 +58,7 @@ from .divergence import DivergenceWatch
 from .finetune import describe_init, init_architecture, init_model
 from .lock import RunLock
 from .metrics import METRICS_NAME, PLOT_NAME, MetricsLog, format_duration, plot_metrics, read_metrics
+from .run_files import check_run_files
 
 
 # ---- the pieces of a step and of an evaluation -------------------------------------------------------
@@ -563,7 +564,8 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
 
     explicit: the fields the user set (npllama train's flags): with --init, those that fix the
     architecture must agree with the checkpoint (train/finetune.py); the others follow it.
-    Raises NpllamaError (a ValueError) for unusable settings, MemoryLimitError for a run that
+    Raises NpllamaError (a ValueError) for unusable settings (OutputPathError for a file of the run
+    that would overwrite one of its inputs or go through a symbolic link), MemoryLimitError for a run that
     cannot fit, RunLockedError when another run holds the --out-dir, FileNotFoundError for
     missing data or checkpoint, TrainingDiverged when the loss stops being finite or rises far
     above its best, RunWriteError when a file cannot be written (the last checkpoint is kept
@@ -571,6 +573,7 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
     """
     console = Console(out or sys.stdout)
     cfg.validate()
+    check_run_files(cfg)            # before anything is made or read: no output over an input (run_files.py)
     run_start = time.perf_counter()
     with RunLock(cfg.out_dir) as lock:
         if lock.stale_note():

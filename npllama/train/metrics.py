@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import parse_json
 from ..errors import with_path
-from ..io.atomic import write_bytes_atomic
+from ..io.atomic import refuse_symlink, write_bytes_atomic
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
@@ -43,13 +45,15 @@ class MetricsLog:
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
+        refuse_symlink(path)                            # never written through a link planted there
         if resume_step is not None and path.is_file():
             records = [r for r in map(_record, path.read_text(errors="replace").splitlines()) if r is not None]
             kept = [json.dumps(r) for r in records if r.get("kind") != "final" and _step(r) <= resume_step]
             write_bytes_atomic(path, "".join(line + "\n" for line in kept).encode("utf-8"))
         elif path.exists():
             path.unlink()
-        self._f = open(path, "ab", buffering=0)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        self._f = open(fd, "ab", buffering=0)
 
     def write(self, **record) -> None:
         line = (json.dumps(record) + "\n").encode("utf-8")
@@ -67,11 +71,16 @@ class MetricsLog:
 
 
 def _record(line: str) -> dict | None:
+    """The JSON object on a line, or None for anything else (damage, hostile nesting included)."""
     try:
-        record = json.loads(line)
+        record = parse_json(line, "a metrics line")
     except ValueError:
         return None
     return record if isinstance(record, dict) else None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _step(record: dict) -> float:
@@ -79,16 +88,29 @@ def _step(record: dict) -> float:
     return step if isinstance(step, (int, float)) else float("inf")
 
 
-def read_metrics(path) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records) of a metrics.jsonl file."""
+_VALUE = {"train": "loss", "eval": "val_loss"}   # the number a record of each kind is drawn by
+
+
+def read_metrics(path, skipped: list | None = None) -> tuple[list[dict], list[dict]]:
+    """(train records, eval records) of a metrics.jsonl file.
+
+    A line that is not a JSON object, or a train / eval record without a numeric step and loss,
+    is damage (MetricsLog writes whole lines): it is left out, and its line number appended to
+    `skipped` when a list is given. Other kinds ("final") are not drawn.
+    """
     train, evals = [], []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if rec.get("kind") == "eval":
-                evals.append(rec)
-            elif rec.get("kind") == "train":
-                train.append(rec)
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = _record(line)
+        kind = rec.get("kind") if rec is not None else None
+        if rec is None or (kind in _VALUE and not (_number(rec.get("step")) and _number(rec.get(_VALUE[kind])))):
+            if skipped is not None:
+                skipped.append(number)
+        elif kind == "eval":
+            evals.append(rec)
+        elif kind == "train":
+            train.append(rec)
     return train, evals
 
 
@@ -122,6 +144,8 @@ def plot_metrics(metrics_path, png_path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path)
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png")
     plt.close(fig)
+    write_bytes_atomic(png_path, picture.getvalue())    # replaced whole; never through a planted link
     return Path(png_path)
