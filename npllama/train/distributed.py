@@ -24,16 +24,15 @@ resumes on any number of ranks.
 `connect()` returns an `MpiWorld` only when a launcher started several ranks (PMI_SIZE: MPICH's
 hydra, Slurm; OMPI_COMM_WORLD_SIZE: Open MPI).
 
-Failures (docs/distributed.md has the whole story):
+Failures (docs/distributed.md has the whole story, and what mpiexec itself does):
   - an exception on a rank: `stop_all` reports it (rank 0 at once; another rank after a grace
     period in which rank 0 reports the same error if it has it too) and calls MPI_Abort, which
-    ends every rank. MPICH's own abort message is switched off: one line.
-  - a rank killed (kill -9): plain mpiexec (hydra) kills the others at once (SIGKILL) and prints
-    its banner with the dead process's pid, which rank 0's header maps to its rank. Under
-    `mpiexec -disable-auto-cleanup` the ranks live on, and each rank's watchdog thread sees a
-    lost peer on its host within WATCH_INTERVAL and stops all with one line naming it.
-  - a rank that stops answering (another host lost, a stopped process): the watchdog ends the
-    run when a collective has waited longer than $NPLLAMA_RANK_TIMEOUT seconds.
+    ends every rank. MPICH's own abort message goes to /dev/null: one line.
+  - a rank killed (kill -9, the OOM killer): mpiexec kills the others at once (SIGKILL: they
+    cannot say a word) and prints the dead process's pid; the lost-rank watcher of that host
+    (train/watcher.py, a process beside the ranks) prints one line naming the rank.
+  - a rank that stops answering (another host cut off, a stopped process): the watchdog thread
+    ends the run when a collective has waited longer than $NPLLAMA_RANK_TIMEOUT seconds.
 Checkpoints are written atomically (io/atomic.py), so no failure leaves half of one.
 """
 
@@ -41,12 +40,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
 import zlib
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -94,7 +96,6 @@ def connect(command: str = "npllama train") -> "World":
     size = launched_size()
     if size <= 1:
         return World()
-    os.environ.setdefault("MPIR_CVAR_SUPPRESS_ABORT_MESSAGE", "1")      # our one line, not MPICH's too
     try:
         from mpi4py import MPI
     except ImportError:
@@ -208,37 +209,36 @@ class World:
         """The end of the collectives: every rank passes here before any leaves the run."""
 
 
-class Peer:
-    """Another rank, as the watchdog sees it."""
-
-    def __init__(self, rank: int, pid: int, host: str):
-        self.rank, self.pid, self.host = rank, pid, host
-
-    def is_alive(self) -> bool:
-        """False once its process has ended (a zombie, not yet collected by mpiexec's proxy, has ended)."""
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except OSError:
-            return False
-
-
 class MpiWorld(World):
-    """N ranks over MPI.COMM_WORLD (module docstring): the collectives a run needs, core sharing, and
-    a watchdog thread that stops every rank when one is lost or stops answering."""
+    """N ranks over MPI.COMM_WORLD (module docstring): the collectives a run needs, core sharing, the
+    lost-rank watcher process of each host (train/watcher.py), and a watchdog thread that stops
+    every rank when a collective waits longer than the timeout."""
 
     def __init__(self, mpi, command: str = "npllama train"):
         self.MPI, self.comm, self.command = mpi, mpi.COMM_WORLD, command
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.timeout = float(os.environ.get(TIMEOUT_VAR) or DEFAULT_TIMEOUT)
         self._busy = None                     # (what, since) while this rank waits in a collective
-        hosts = self._allgather_text(mpi.Get_processor_name())
-        pids = self._allgather_ints([os.getpid()])[:, 0]
-        self.peers = [Peer(r, int(pids[r]), hosts[r]) for r in range(self.size)]
-        self.local = [p.rank for p in self.peers if p.host == hosts[self.rank]]     # the ranks on this host
+        self.hosts = self._allgather_text(mpi.Get_processor_name())
+        self.pids = [int(p) for p in self._allgather_ints([os.getpid()])[:, 0]]
+        self.local = [r for r in range(self.size) if self.hosts[r] == self.hosts[self.rank]]   # ranks on this host
         self.ranks_here = len(self.local)
+        self._watcher = self._start_watcher() if self.rank == self.local[0] else None
+        self._watcher_pid = int(self._allgather_ints([self._watcher.pid if self._watcher else 0])[self.local[0], 0])
         self._armed = True
         threading.Thread(target=self._watch, name="npllama-rank-watchdog", daemon=True).start()
+
+    def _start_watcher(self) -> subprocess.Popen | None:
+        """The lost-rank watcher of this host, told its ranks (this one first); None where it cannot run."""
+        try:
+            watcher = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("watcher.py")),
+                                        self.command], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                       start_new_session=True)     # out of the group mpiexec kills
+            watcher.stdin.write("".join(f"rank {r} {self.pids[r]} {self.hosts[r]}\n" for r in self.local) + "go\n")
+            watcher.stdin.flush()
+        except OSError:
+            return None
+        return watcher
 
     # ---- the collectives -------------------------------------------------------------------
 
@@ -324,7 +324,7 @@ class MpiWorld(World):
 
     def describe(self):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"
-        ranks = ", ".join(f"rank {p.rank} pid {p.pid} on {p.host}" for p in self.peers)
+        ranks = ", ".join(f"rank {r} pid {self.pids[r]} on {self.hosts[r]}" for r in range(self.size))
         return f"{self.size} ranks (MPI), {cores} core(s) each: {ranks}"
 
     # ---- cores ------------------------------------------------------------------------------
@@ -355,10 +355,26 @@ class MpiWorld(World):
     # ---- the end, and failures ---------------------------------------------------------------
 
     def close(self):
-        """The last collective: once here, a rank that leaves is no loss (the watchdog stands down)."""
+        """The last collective: once here, a rank that leaves is no loss (the watchers stand down)."""
         if self._armed:
             self._armed = False
+            self._stand_down_watcher(done=True)
             self._wait("the final barrier", self.comm.Ibarrier())
+
+    def _stand_down_watcher(self, done: bool = False) -> None:
+        """Tell this host's watcher the ranks end on purpose: "done" from its starter, SIGUSR1 from any rank."""
+        if done and self._watcher is not None:
+            try:
+                self._watcher.stdin.write("done\n")
+                self._watcher.stdin.close()
+                self._watcher.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        elif self._watcher_pid:
+            try:
+                os.kill(self._watcher_pid, signal.SIGUSR1)
+            except OSError:
+                pass
 
     def stop_all(self, report: Callable[[str], int | None], error: BaseException) -> None:
         """End every rank after `error` ended this one: report it, then MPI_Abort (which ends them all).
@@ -370,6 +386,7 @@ class MpiWorld(World):
         None for a bug, whose traceback is printed instead.
         """
         self._armed = False
+        self._stand_down_watcher()
         if self.rank:
             time.sleep(GRACE + 0.1 * min(self.rank, 40))
         code = report(f"rank {self.rank}: " if self.rank else "")
@@ -378,36 +395,33 @@ class MpiWorld(World):
         self._abort(1 if code is None else code)
 
     def _abort(self, code: int) -> None:
+        """MPI_Abort: mpiexec ends every rank (with or without -disable-auto-cleanup) and exits with code."""
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        time.sleep(0.2)                  # let mpiexec forward the line before the processes go
+        time.sleep(0.2)                  # let mpiexec forward our line before the processes go
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)              # MPICH's own "Abort(1) on node 0 ..." line: ours said it
         self.comm.Abort(code)
+        os._exit(code)                   # MPI_Abort may return before mpiexec's kill arrives
 
     def _watch(self) -> None:
-        """The watchdog thread: stop every rank when a peer on this host has ended without reaching close(),
-        or when a collective has waited longer than the timeout."""
+        """The watchdog thread: stop every rank when a collective has waited longer than the timeout (a
+        rank on another host lost, or stopped). A rank lost on this host is the watcher's to report."""
         while self._armed:
             time.sleep(WATCH_INTERVAL)
-            lost = next((p for p in self.peers if p.rank in self.local and p.rank != self.rank and not p.is_alive()),
-                        None)
             busy = self._busy
-            if lost is not None:
-                why = f"rank {lost.rank} (pid {lost.pid} on {lost.host}) was lost"
-            elif busy and self.timeout and time.monotonic() - busy[1] > self.timeout:
-                why = (f"no answer from the other ranks for {self.timeout:g} s in {busy[0]}: one was lost or is "
-                       f"stuck (${TIMEOUT_VAR} sets the limit)")
-            else:
+            if not (busy and self.timeout and time.monotonic() - busy[1] > self.timeout and self._armed):
                 continue
-            if not self._armed:
-                return
             self._armed = False
+            self._stand_down_watcher()
             if self.rank:
                 time.sleep(GRACE + 0.1 * min(self.rank, 40))
-            print(f"{self.command}: error: {why}; every rank stopped, the last checkpoint written is kept",
-                  file=sys.stderr, flush=True)
+            print(f"{self.command}: error: no answer from the other ranks for {self.timeout:g} s in {busy[0]}: one "
+                  f"was lost or is stuck (${TIMEOUT_VAR} sets the limit); every rank stopped, the last checkpoint "
+                  "written is kept", file=sys.stderr, flush=True)
             self._abort(1)
 
 

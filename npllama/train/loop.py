@@ -95,7 +95,8 @@ def train_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: fl
     loss, = world.sums(total_loss / n)
     if not math.isfinite(loss):
         return loss, math.nan
-    grads = allreduce_gradients(world, grads, model.config)
+    if world.size > 1:
+        grads = allreduce_gradients(world, grads, model.config)
     norm = clip_grad_norm(grads, grad_clip if grad_clip > 0 else math.inf)
     if not math.isfinite(norm):
         return loss, norm
