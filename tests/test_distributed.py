@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,9 @@ from npllama.train import distributed
 from npllama.train.checkpoint import load_train_checkpoint, load_train_state
 from npllama.train.distributed import World, allreduce_gradients, config_differences, row_bounds
 
-from .conftest import synthetic_text
+from .conftest import data_file, synthetic_text
+
+REPO = Path(__file__).resolve().parents[1]
 
 SIBLING = Path(sys.executable).parent / "mpiexec"     # the mpiexec of this Python's environment first
 MPIEXEC = str(SIBLING) if SIBLING.exists() else shutil.which("mpiexec")
@@ -281,6 +284,21 @@ def test_three_ranks_share_an_uneven_batch_exactly_and_refuse_a_batch_smaller_th
     assert refused.stderr == ("npllama train: error: --batch-size 2 cannot be shared by 3 ranks, which need a window "
                               "of every batch each; use --batch-size 3 or more, or fewer ranks\n")
     assert not (tmp_path / "refused").exists()                 # before any work
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_the_readme_command_trains_on_two_ranks(tmp_path):
+    data_file("tinyshakespeare.txt")
+    command = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("mpiexec "))
+    argv = shlex.split(command)
+    at = argv.index("npllama")
+    run = subprocess.run([MPIEXEC, *argv[1:at], sys.executable, "-m", "npllama", *argv[at + 1:], "--max-steps", "6",
+                          "--eval-interval", "3", "--eval-batches", "2", "--sample-tokens", "20"],
+                         capture_output=True, text=True, env=launch_env(), timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "rows 16 + 16 of every batch" in run.stdout and "done: 6 steps" in run.stdout
+    assert load_train_state(tmp_path / "runs" / "shakespeare-char" / "ckpt.safetensors")["step"] == 6
 
 
 @needs_mpi

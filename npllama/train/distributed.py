@@ -362,14 +362,17 @@ class MpiWorld(World):
             self._wait("the final barrier", self.comm.Ibarrier())
 
     def _stand_down_watcher(self, done: bool = False) -> None:
-        """Tell this host's watcher the ranks end on purpose: "done" from its starter, SIGUSR1 from any rank."""
-        if done and self._watcher is not None:
-            try:
-                self._watcher.stdin.write("done\n")
-                self._watcher.stdin.close()
-                self._watcher.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+        """Tell this host's watcher that the ranks end on purpose. done: the run is over ("done", from the
+        rank that started it, before the final barrier lets any rank leave); else a rank is about to
+        stop them all, having said why (SIGUSR1, from any rank)."""
+        if done:
+            if self._watcher is not None:
+                try:
+                    self._watcher.stdin.write("done\n")
+                    self._watcher.stdin.close()
+                    self._watcher.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
         elif self._watcher_pid:
             try:
                 os.kill(self._watcher_pid, signal.SIGUSR1)

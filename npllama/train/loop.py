@@ -19,6 +19,11 @@ np.random.Generator seeded from (seed, 1) whose state is saved in the checkpoint
 samples use their own generators and never disturb it. N steps + resume + N steps gives
 the same parameters, bit for bit, as 2N steps straight.
 
+Over MPI (`mpiexec -n N npllama train`, train/distributed.py) every rank runs this loop on the
+same batches and computes its rows of each; one Allreduce a step sums the weighted gradients, a
+few small collectives decide together what each rank's clock or Ctrl-C says (stop now?), and
+rank 0 alone holds the lock, prints, and writes the checkpoint, metrics and chart.
+
 Faults (README "Faults and guarantees"): the run holds OUT_DIR's lock (train/lock.py) from
 start to end and removes the temporary files a killed run left there; it refuses, before
 allocating, a model and batch that cannot fit in memory (npllama.memory); it stops at the
