@@ -422,6 +422,21 @@ def test_ctrl_c_to_mpiexec_stops_every_rank_at_the_same_step_and_saves(text, tmp
 
 
 @needs_mpi
+def test_sigterm_to_mpiexec_ends_every_rank_and_reports_no_rank_lost(text, tmp_path):
+    out = tmp_path / "run"
+    proc = start(small(text, out, "--max-steps", 100000, "--eval-interval", 5))
+    try:
+        wait_for_step(out, 7)
+        proc.terminate()                                      # mpiexec passes SIGTERM on to every rank
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "lost" not in stderr, stderr
+    assert load_train_state(out / "ckpt.safetensors")["step"] >= 5
+
+
+@needs_mpi
 @pytest.mark.slow
 def test_a_rank_that_stops_answering_ends_the_run_after_the_timeout(text, tmp_path):
     out = tmp_path / "run"

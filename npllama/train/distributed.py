@@ -33,6 +33,9 @@ Failures (docs/distributed.md has the whole story, and what mpiexec itself does)
     (train/watcher.py, a process beside the ranks) prints one line naming the rank.
   - a rank that stops answering (another host cut off, a stopped process): the watchdog thread
     ends the run when a collective has waited longer than $NPLLAMA_RANK_TIMEOUT seconds.
+  - SIGTERM or SIGHUP to mpiexec, which passes it on to every rank: each ends as one process
+    does (where nothing else handles the signal, the rank first stands the watcher down, so
+    ranks ending together are not reported lost).
 Checkpoints are written atomically (io/atomic.py), so no failure leaves half of one.
 """
 
@@ -227,6 +230,21 @@ class MpiWorld(World):
         self._watcher_pid = int(self._allgather_ints([self._watcher.pid if self._watcher else 0])[self.local[0], 0])
         self._armed = True
         threading.Thread(target=self._watch, name="npllama-rank-watchdog", daemon=True).start()
+        self._signals = {}                    # signal -> the handler it had (restored by close)
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is signal.SIG_DFL:
+                try:
+                    signal.signal(signum, self._end_as_signalled)
+                    self._signals[signum] = signal.SIG_DFL
+                except ValueError:            # not the main thread
+                    pass
+
+    def _end_as_signalled(self, signum, frame) -> None:
+        """A signal that ends this rank anyway (mpiexec passes SIGTERM on to every rank): tell the watcher
+        first, so that the ranks ending together are not reported as lost; then end by it."""
+        self._stand_down_watcher()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def _start_watcher(self) -> subprocess.Popen | None:
         """The lost-rank watcher of this host, told its ranks (this one first); None where it cannot run."""
@@ -360,6 +378,8 @@ class MpiWorld(World):
             self._armed = False
             self._stand_down_watcher(done=True)
             self._wait("the final barrier", self.comm.Ibarrier())
+            for signum, handler in self._signals.items():
+                signal.signal(signum, handler)
 
     def _stand_down_watcher(self, done: bool = False) -> None:
         """Tell this host's watcher that the ranks end on purpose. done: the run is over ("done", from the
