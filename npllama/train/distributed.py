@@ -33,9 +33,9 @@ Failures (docs/distributed.md has the whole story, and what mpiexec itself does)
     (train/watcher.py, a process beside the ranks) prints one line naming the rank.
   - a rank that stops answering (another host cut off, a stopped process): the watchdog thread
     ends the run when a collective has waited longer than $NPLLAMA_RANK_TIMEOUT seconds.
-  - SIGTERM or SIGHUP to mpiexec, which passes it on to every rank: each ends as one process
-    does (where nothing else handles the signal, the rank first stands the watcher down, so
-    ranks ending together are not reported lost).
+  - SIGTERM to mpiexec, which passes it on to every rank: each ends as one process does (where
+    nothing else handles SIGTERM or SIGHUP, a rank first stands the watcher down, so that ranks
+    ending together are not reported lost).
 Checkpoints are written atomically (io/atomic.py), so no failure leaves half of one.
 """
 
