@@ -402,20 +402,25 @@ class MpiWorld(World):
     def stop_all(self, report: Callable[[str], int | None], error: BaseException) -> None:
         """End every rank after `error` ended this one: report it, then MPI_Abort (which ends them all).
 
-        Rank 0 reports at once. Another rank first waits GRACE seconds (a little longer the higher
-        its rank), in which rank 0, if it met the same error (they mostly do: the ranks run the
-        same steps on the same numbers), reports it and ends everything: one line in all. Then it
-        reports its own, naming itself. report(prefix) prints the line and returns the exit code,
+        Rank 0 reports at once. Another rank first waits (_before_stopping_all), in which time
+        rank 0, if it met the same error (they mostly do: the ranks run the same steps on the same
+        numbers), reports it and ends everything: one line in all. Then it reports its own,
+        naming itself. report(prefix) prints the line and returns the exit code,
         None for a bug, whose traceback is printed instead.
         """
-        self._armed = False
-        self._stand_down_watcher()
-        if self.rank:
-            time.sleep(GRACE + 0.1 * min(self.rank, 40))
+        self._before_stopping_all()
         code = report(f"rank {self.rank}: " if self.rank else "")
         if code is None:
             traceback.print_exception(type(error), error, error.__traceback__)
         self._abort(1 if code is None else code)
+
+    def _before_stopping_all(self) -> None:
+        """This rank is about to say why every rank stops: the watcher must not add a line, and a rank
+        other than 0 first leaves rank 0 GRACE seconds (the higher its rank, the longer) to say it."""
+        self._armed = False
+        self._stand_down_watcher()
+        if self.rank:
+            time.sleep(GRACE + 0.1 * min(self.rank, 40))
 
     def _abort(self, code: int) -> None:
         """MPI_Abort: mpiexec ends every rank (with or without -disable-auto-cleanup) and exits with code."""
@@ -438,10 +443,7 @@ class MpiWorld(World):
             busy = self._busy
             if not (busy and self.timeout and time.monotonic() - busy[1] > self.timeout and self._armed):
                 continue
-            self._armed = False
-            self._stand_down_watcher()
-            if self.rank:
-                time.sleep(GRACE + 0.1 * min(self.rank, 40))
+            self._before_stopping_all()
             print(f"{self.command}: error: no answer from the other ranks for {self.timeout:g} s in {busy[0]}: one "
                   f"was lost or is stuck (${TIMEOUT_VAR} sets the limit); every rank stopped, the last checkpoint "
                   "written is kept", file=sys.stderr, flush=True)
