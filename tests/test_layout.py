@@ -15,7 +15,7 @@ PACKAGE = Path(npllama.__file__).parent
 # Bottom to top. A unit is a top-level module or subpackage of npllama.
 LAYERS = ["errors", "checks", "storage", "config", "memory", "tokenizers", "ops", "kvcache", "model",
           "lora", "optim", "sampling", "gradcheck", "backend", "engine", "generate", "llama", "io", "train", "cli", "__main__"]
-OPTIONAL = {"torch", "transformers", "matplotlib", "tokenizers"}   # third-party, imported where used
+OPTIONAL = {"torch", "transformers", "matplotlib", "tokenizers", "mpi4py"}   # third-party, imported where used
 
 
 def modules():

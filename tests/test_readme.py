@@ -85,6 +85,9 @@ COVERAGE = {
     "npllama train --resume": Run(extra=("--max-steps", "14"), trained=True, stdout="done: "),
     "npllama train --help": Run(stdout="--max-steps"),
     "python tools/bench_quality.py --budget 300 --set batch_size=32 --set seq_len=128": CI,
+    "pip install -e '.[mpi]'": CI,
+    "mpiexec -n 2 npllama train --batch-size 32":
+        CoveredBy("tests/test_distributed.py::test_the_readme_command_trains_on_two_ranks"),
     # Generation
     "npllama generate -p \"ROMEO:\"": Run(stdout="ROMEO:"),
     "npllama generate -p \"ROMEO:\" -n 600 --sliding-window": Run(stdout="ROMEO:"),

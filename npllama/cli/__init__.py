@@ -23,9 +23,8 @@ import argparse
 import os
 import sys
 
-from ..errors import describe_os_error
 from . import export, generate, gradcheck, plot, train
-from .args import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED
+from .args import report_error
 
 SUBCOMMANDS = [gradcheck, train, generate, plot, export]
 
@@ -41,24 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _discard_stdout() -> None:
-    """Send what is still buffered for stdout, and all later output, to /dev/null."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        os.close(devnull)
-
-
-def describe_bare(error: BaseException, command: str) -> str:
-    """What to print for an error raised without a message, so no error line is ever empty."""
-    if isinstance(error, MemoryError):
-        return (f"out of memory ({type(error).__name__} with no message) during `npllama {command}`: the "
-                "process could not get the memory it asked for; choose smaller settings or free some memory")
-    return (f"{type(error).__name__} with no message during `npllama {command}` (an error npllama did not "
-            "word: please report it, with the command line)")
-
-
 def main(argv: list[str] | None = None) -> int:
     if sys.stdout is None:          # started with stdout closed: nothing to show, the files still count
         sys.stdout = open(os.devnull, "w")
@@ -69,21 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except BrokenPipeError:
-        _discard_stdout()
-        return EXIT_PIPE_CLOSED
-    except OSError as e:
-        print(f"npllama {args.command}: error: {describe_os_error(e) or describe_bare(e, args.command)}",
-              file=sys.stderr)
-        return 1
-    except (ValueError, MemoryError) as e:
-        # Bad input is the user's to fix: one line naming it, not a traceback. (npllama's errors are
-        # all ValueErrors; a MemoryError that npllama.memory did not foresee is not a bug either.)
-        print(f"npllama {args.command}: error: {str(e).strip() or describe_bare(e, args.command)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"npllama {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except (OSError, ValueError, MemoryError, KeyboardInterrupt) as e:
+        return report_error(args.command, e)
 
 
 if __name__ == "__main__":

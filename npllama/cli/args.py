@@ -1,9 +1,14 @@
-"""Shared by the subcommands: argument types (numbers checked for finiteness and range), exit codes."""
+"""Shared by the subcommands: argument types (numbers checked for finiteness and range), exit codes,
+and the one line an error ends a command with."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
+
+from ..errors import describe_os_error
 
 EXIT_PIPE_CLOSED = 128 + 13     # stdout's reader went away: what a shell reports for a process killed by SIGPIPE
 EXIT_INTERRUPTED = 128 + 2      # Ctrl-C: what a shell reports for a process killed by SIGINT
@@ -25,3 +30,46 @@ def number(kind, low=None, high=None, low_open=False):
         return value
     parse.__name__ = kind.__name__        # argparse names the type in its messages
     return parse
+
+
+def report_error(command: str, error: BaseException, where: str = "") -> int | None:
+    """Print the one line that `error` ends `npllama command` with; returns the exit code (cli/__init__.py).
+
+    None for any other exception: a bug in npllama, whose traceback the caller keeps.
+    where: said before the message ("rank 1: " when a rank of an mpiexec run reports).
+    """
+    if isinstance(error, BrokenPipeError):
+        _discard_stdout()
+        return EXIT_PIPE_CLOSED
+    if isinstance(error, OSError):
+        print(f"npllama {command}: error: {where}{describe_os_error(error) or describe_bare(error, command)}",
+              file=sys.stderr)
+        return 1
+    if isinstance(error, (ValueError, MemoryError)):
+        # Bad input is the user's to fix: one line naming it, not a traceback. (npllama's errors are
+        # all ValueErrors; a MemoryError that npllama.memory did not foresee is not a bug either.)
+        print(f"npllama {command}: error: {where}{str(error).strip() or describe_bare(error, command)}",
+              file=sys.stderr)
+        return 1
+    if isinstance(error, KeyboardInterrupt):
+        print(f"npllama {command}: {where}interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return None
+
+
+def describe_bare(error: BaseException, command: str) -> str:
+    """What to print for an error raised without a message, so no error line is ever empty."""
+    if isinstance(error, MemoryError):
+        return (f"out of memory ({type(error).__name__} with no message) during `npllama {command}`: the "
+                "process could not get the memory it asked for; choose smaller settings or free some memory")
+    return (f"{type(error).__name__} with no message during `npllama {command}` (an error npllama did not "
+            "word: please report it, with the command line)")
+
+
+def _discard_stdout() -> None:
+    """Send what is still buffered for stdout, and all later output, to /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)

@@ -5,6 +5,7 @@
     npllama train --resume --out-dir runs/five-minutes --max-steps 3000
     npllama train --preset shakespeare-bpe --vocab-size 1024
     npllama train --init stories260K.bin --init-tokenizer tok512.model --lora-rank 8   # fine-tune (LoRA)
+    mpiexec -n 2 npllama train --batch-size 32      # data-parallel over MPI: 2 ranks share each batch of 32
 
 A flag given on the command line overrides the preset. With --resume every setting comes
 from the checkpoint in --out-dir, and only the flags given now override it (those that
@@ -18,11 +19,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from ..train import distributed
 from ..train.checkpoint import CHECKPOINT_NAME, load_train_state
 from ..train.config import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INTS, PRESETS, TrainConfig, parse_duration,
                             preset)
 from ..train.loop import train
-from .args import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, number
+from .args import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, number, report_error
 
 
 def _duration(text: str) -> float:
@@ -115,11 +117,25 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args)
-    explicit = {f.name for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
-    result = train(cfg, preset_name=None if cfg.resume else args.preset, explicit=explicit)
+    """Train; under mpiexec, as one rank of the run (train/distributed.py), which only rank 0 reports on."""
+    try:
+        world = distributed.connect()
+    except distributed.MpiUnavailable:
+        if distributed.launched_rank() != 0:
+            return 1                    # rank 0 says it, once
+        raise
+    try:
+        cfg = resolve_config(args)
+        explicit = {f.name for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+        result = train(cfg, preset_name=None if cfg.resume else args.preset, explicit=explicit, world=world)
+        world.close()
+    except BaseException as error:
+        if world.size == 1:
+            raise
+        world.stop_all(lambda where, e=error: report_error("train", e, where), error)   # one line, then every rank ends
     if result.stopped == "output_closed":
-        print(f"npllama train: output closed; stopped at step {result.steps}, saved {result.checkpoint} "
-              "(continue with --resume)", file=sys.stderr)
+        if world.rank == 0:
+            print(f"npllama train: output closed; stopped at step {result.steps}, saved {result.checkpoint} "
+                  "(continue with --resume)", file=sys.stderr)
         return EXIT_PIPE_CLOSED
     return EXIT_INTERRUPTED if result.stopped == "interrupted" else 0

@@ -19,6 +19,11 @@ np.random.Generator seeded from (seed, 1) whose state is saved in the checkpoint
 samples use their own generators and never disturb it. N steps + resume + N steps gives
 the same parameters, bit for bit, as 2N steps straight.
 
+Over MPI (`mpiexec -n N npllama train`, train/distributed.py) every rank runs this loop on the
+same batches and computes its rows of each; one Allreduce a step sums the weighted gradients, a
+few small collectives decide together what each rank's clock or Ctrl-C says (stop now?), and
+rank 0 alone holds the lock, prints, and writes the checkpoint, metrics and chart.
+
 Faults (README "Faults and guarantees"): the run holds OUT_DIR's lock (train/lock.py) from
 start to end and removes the temporary files a killed run left there; it refuses, before
 allocating, a model and batch that cannot fit in memory (npllama.memory); it stops at the
@@ -34,6 +39,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -54,6 +60,7 @@ from .checkpoint import (CHECKPOINT_NAME, load_model_config, load_train_checkpoi
                          save_train_checkpoint)
 from .config import TrainConfig, check_resume, export_format
 from .data import Corpus, get_batch, prepare_data
+from .distributed import ALONE, CHECK_INTERVAL, World, allreduce_gradients, row_bounds
 from .divergence import DivergenceWatch
 from .finetune import describe_init, init_architecture, init_model
 from .lock import RunLock
@@ -63,17 +70,24 @@ from .run_files import check_run_files
 
 # ---- the pieces of a step and of an evaluation -------------------------------------------------------
 
-def train_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: float) -> tuple[float, float]:
+def train_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: float,
+               world: World = ALONE) -> tuple[float, float]:
     """One optimizer step over len(batches) micro-batches [(x, y), ...]; returns (loss, grad_norm).
 
     The gradients of the micro-batches are averaged (each is already a mean over its B*T
     targets, so the average is the mean over all of them), clipped, and applied. When the
     loss or the gradient norm is not finite, nothing is updated and that value is returned:
-    the caller decides to stop.
+    the caller decides to stop. Over several ranks (train/distributed.py) each computes its
+    rows of every micro-batch, weighted by its share of the targets, and one Allreduce sums them.
     """
     total_loss, grads = 0.0, None
     for x, y in batches:
+        x, y, share = world.shard(x, y)
         loss, g = model.loss_and_grads(x, y)
+        if share != 1.0:
+            loss *= share
+            for gi in g.values():
+                gi *= share
         total_loss += loss
         if grads is None:
             grads = g
@@ -84,9 +98,11 @@ def train_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: fl
     if n > 1:
         for gi in grads.values():
             gi *= 1.0 / n
-    loss = total_loss / n
+    loss, = world.sums(total_loss / n)
     if not math.isfinite(loss):
         return loss, math.nan
+    if world.size > 1:
+        grads = allreduce_gradients(world, grads, model.config)
     norm = clip_grad_norm(grads, grad_clip if grad_clip > 0 else math.inf)
     if not math.isfinite(norm):
         return loss, norm
@@ -95,26 +111,28 @@ def train_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: fl
 
 
 def estimate_loss(model: Llama, ids: np.ndarray, batch_size: int, seq_len: int, n_batches: int,
-                  seed: int) -> float:
+                  seed: int, world: World = ALONE) -> float:
     """Mean cross-entropy over n_batches random windows drawn with a fresh Generator(seed).
 
     The same seed gives the same windows, so successive estimates differ only by the model.
+    Over several ranks each computes its rows of every batch, weighted as in train_step.
     """
     rng = np.random.default_rng(seed)
     losses = []
     for _ in range(n_batches):
-        x, y = get_batch(ids, batch_size, seq_len, rng)
+        x, y, share = world.shard(*get_batch(ids, batch_size, seq_len, rng))
         logits = model.forward(x)
-        losses.append(cross_entropy_forward(logits, y)[0])
-    return float(np.mean(losses))
+        losses.append(cross_entropy_forward(logits, y)[0] * share)
+    total, = world.sums(float(np.sum(losses)))
+    return total / n_batches
 
 
-def full_val_loss(model: Llama, ids: np.ndarray, seq_len: int, batch_size: int) -> float:
+def full_val_loss(model: Llama, ids: np.ndarray, seq_len: int, batch_size: int, world: World = ALONE) -> float:
     """Mean cross-entropy over the whole of ids, cut into consecutive windows of seq_len.
 
     Window j predicts ids[j*T + 1 : (j + 1)*T + 1] from ids[j*T : (j + 1)*T]; a last window
     too short for T tokens and its target is left out. Deterministic: the figure the README
-    and weights/README quote.
+    and weights/README quote. Over several ranks each takes a contiguous range of the windows.
     """
     n_windows = (len(ids) - 1) // seq_len
     if n_windows < 1:
@@ -122,9 +140,11 @@ def full_val_loss(model: Llama, ids: np.ndarray, seq_len: int, batch_size: int) 
     x_all = ids[:n_windows * seq_len].reshape(n_windows, seq_len)
     y_all = ids[1:n_windows * seq_len + 1].reshape(n_windows, seq_len)
     total = 0.0
-    for start in range(0, n_windows, batch_size):
-        x, y = x_all[start:start + batch_size], y_all[start:start + batch_size]
+    first, end = row_bounds(n_windows, world.rank, world.size)
+    for start in range(first, end, batch_size):
+        x, y = x_all[start:min(start + batch_size, end)], y_all[start:min(start + batch_size, end)]
         total += cross_entropy_forward(model.forward(x), y)[0] * len(x)
+    total, = world.sums(total)
     return total / n_windows
 
 
@@ -176,14 +196,14 @@ class Console:
     dropped, and the loop stops and saves as on Ctrl-C.
     """
 
-    def __init__(self, out: TextIO):
-        self.out = out
+    def __init__(self, out: TextIO | None):
+        self.out = out                  # None: say nothing (a rank other than 0)
         self.is_tty = hasattr(out, "isatty") and out.isatty()
         self._live = False
         self.closed = False
 
     def _write(self, text: str) -> None:
-        if self.closed:
+        if self.closed or self.out is None:
             return
         try:
             self.out.write(text)
@@ -226,6 +246,7 @@ class Run:
     history: list = field(default_factory=list)   # (step, val_loss) of every eval
     saved_step: int | None = None   # the step of the last checkpoint written
     best_loss: float | None = None  # the divergence watch's best smoothed training loss
+    world: World = ALONE            # the ranks sharing each batch (train/distributed.py)
 
     @property
     def ckpt_path(self) -> Path:
@@ -237,24 +258,28 @@ class Run:
         return self.model.optimizer(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
-def require_memory(cfg: TrainConfig, model_config: LlamaConfig) -> None:
+def require_memory(cfg: TrainConfig, model_config: LlamaConfig, world: World = ALONE) -> None:
     """Refuse, before allocating, a run whose model, optimizer and batch cannot fit (npllama.memory).
 
     A LoRA run's base is loaded by then, and its optimizer holds the adapters' moments only: what
-    is still to come is a pass over the batch (with the frozen stacks), not a model and its moments."""
-    rows, shards = pass_footprint(backend_named(cfg.backend), cfg.batch_size, cfg.seq_len, model_config.dim)
+    is still to come is a pass over the batch (with the frozen stacks), not a model and its moments.
+    Over several ranks each passes over its rows only, and the ranks on this host all need memory."""
+    batch = -(-cfg.batch_size // world.size)
+    rows, shards = pass_footprint(backend_named(cfg.backend), batch, cfg.seq_len, model_config.dim)
     itemsize = np.dtype(cfg.dtype).itemsize
     if cfg.lora_rank:
-        needed = memory.pass_bytes(model_config, cfg.batch_size, rows, cfg.seq_len, itemsize)
+        needed = memory.pass_bytes(model_config, batch, rows, cfg.seq_len, itemsize)
     else:
-        needed = memory.training_bytes(model_config, cfg.batch_size, rows, cfg.seq_len, itemsize, shards)
-    memory.require(needed,
+        needed = memory.training_bytes(model_config, batch, rows, cfg.seq_len, itemsize, shards)
+    memory.require(needed * world.ranks_here,
                    f"training {model_config.n_params():,} parameters ({cfg.dtype}) on batches of "
-                   f"{cfg.batch_size} x {cfg.seq_len} tokens",
-                   "choose a smaller --dim, --n-layers, --vocab-size, --batch-size or --seq-len")
+                   f"{cfg.batch_size} x {cfg.seq_len} tokens"
+                   f"{f' in {world.ranks_here} processes' if world.ranks_here > 1 else ''}",
+                   "choose a smaller --dim, --n-layers, --vocab-size, --batch-size or --seq-len"
+                   f"{' (or fewer ranks on this machine)' if world.ranks_here > 1 else ''}")
 
 
-def new_run(cfg: TrainConfig, log, explicit=()) -> Run:
+def new_run(cfg: TrainConfig, log, explicit=(), world: World = ALONE) -> Run:
     """A fresh model of the config's shape (or the --init model: train/finetune.py), on the text's
     tokens, with the batch generator at (seed, 1). explicit: the fields the user set (init_model)."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
@@ -263,24 +288,24 @@ def new_run(cfg: TrainConfig, log, explicit=()) -> Run:
                            "--out-dir (or delete the folder) to start a new one")
     if cfg.init:
         model, cfg = init_model(cfg, explicit)
-        require_memory(cfg, model.config)
+        require_memory(cfg, model.config, world)
         corpus = prepare_data(cfg, tokenizer=model.tokenizer, log=log)
     else:
-        require_memory(cfg, cfg.model_config(max(1, cfg.vocab_size)))   # before the data: a bound from below
+        require_memory(cfg, cfg.model_config(max(1, cfg.vocab_size)), world)   # before the data: a bound from below
         corpus = prepare_data(cfg, log=log)
-        require_memory(cfg, cfg.model_config(corpus.tokenizer.vocab_size))
+        require_memory(cfg, cfg.model_config(corpus.tokenizer.vocab_size), world)
         model = Llama(cfg.model_config(corpus.tokenizer.vocab_size), seed=cfg.seed, dtype=np.dtype(cfg.dtype),
                       backend=cfg.backend)
         model.tokenizer = corpus.tokenizer
-    run = Run(cfg, model, None, corpus, np.random.default_rng([cfg.seed, 1]), start_step=0)
+    run = Run(cfg, model, None, corpus, np.random.default_rng([cfg.seed, 1]), start_step=0, world=world)
     run.optimizer = run.new_optimizer()
     return run
 
 
-def resume_run(cfg: TrainConfig, log, explicit=()) -> Run:
+def resume_run(cfg: TrainConfig, log, explicit=(), world: World = ALONE) -> Run:
     """The run saved in OUT_DIR/ckpt.safetensors, exactly where it stopped, with cfg's non-structural values."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
-    require_memory(cfg, load_model_config(ckpt_path))
+    require_memory(cfg, load_model_config(ckpt_path), world)
     ck = load_train_checkpoint(ckpt_path, backend=cfg.backend)
     saved = TrainConfig.from_dict(ck.state["train_config"])
     cfg = init_architecture(saved, cfg, explicit)
@@ -296,7 +321,7 @@ def resume_run(cfg: TrainConfig, log, explicit=()) -> Run:
     run = Run(cfg, model, None, corpus, rng_from_state(ck.state["rng"]), start_step=step,
               elapsed_before=float(ck.state.get("elapsed", 0.0)), tokens=int(ck.state.get("tokens", 0)),
               val_loss=ck.state.get("val_loss"), history=[tuple(h) for h in ck.state.get("history", [])],
-              saved_step=step, best_loss=ck.state.get("best_loss"))
+              saved_step=step, best_loss=ck.state.get("best_loss"), world=world)
     run.optimizer = run.new_optimizer()
     run.optimizer.load_state_dict(ck.optimizer_state)
     # hyper-parameters given now win over the saved ones (the same values when nothing changed)
@@ -312,11 +337,13 @@ def calibrate_steps(run: Run, budget_left: float, log) -> int:
     """How many steps fit in budget_left seconds, eval and sample time included.
 
     Times two gradient computations (after one warm-up) and one forward without touching
-    the parameters, so the run itself is unaffected.
+    the parameters, so the run itself is unaffected. Over several ranks, on this rank's rows;
+    rank 0's count is the one every rank takes.
     """
     cfg, model = run.cfg, run.model
     rng = np.random.default_rng([cfg.seed, 9])
-    batches = [get_batch(run.corpus.train_ids, cfg.batch_size, cfg.seq_len, rng) for _ in range(cfg.grad_accum)]
+    batches = [run.world.shard(*get_batch(run.corpus.train_ids, cfg.batch_size, cfg.seq_len, rng))[:2]
+               for _ in range(cfg.grad_accum)]
     model.loss_and_grads(*batches[0])
     t0 = time.perf_counter()
     for _ in range(2):
@@ -327,7 +354,7 @@ def calibrate_steps(run: Run, budget_left: float, log) -> int:
     model.forward(batches[0][0])
     eval_time = (time.perf_counter() - t0) * cfg.eval_batches + (0.002 * cfg.sample_tokens)
     per_step = step_time + eval_time / cfg.eval_interval
-    steps = max(1, int(budget_left / per_step))
+    steps = run.world.broadcast_int(max(1, int(budget_left / per_step)))
     log(f"time budget {format_duration(budget_left)}: {step_time:.3f}s a step, so about {steps} steps; "
         "the cosine decays over them")
     return steps
@@ -361,6 +388,10 @@ def log_header(run: Run, preset_name: str | None, log) -> None:
         f"{cfg.decay_steps}), betas ({cfg.beta1}, {cfg.beta2}), weight decay {cfg.weight_decay}, clip {cfg.grad_clip}")
     log(f"  batch      {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum} accum = "
         f"{tokens_per_step:,} tokens a step{', gradient checkpointing' if cfg.gradient_checkpointing else ''}")
+    if run.world.size > 1:
+        shares = " + ".join(str(hi - lo) for lo, hi in (row_bounds(cfg.batch_size, r, run.world.size)
+                                                        for r in range(run.world.size)))
+        log(f"  ranks      {run.world.describe()}; rows {shares} of every batch")
     log(f"  run        steps {run.start_step} -> {cfg.max_steps}"
         f"{f', time budget {format_duration(cfg.time_budget)}' if cfg.time_budget else ''}, eval every "
         f"{cfg.eval_interval} ({cfg.eval_batches} batches), seed {cfg.seed}, out {cfg.out_dir}/")
@@ -396,7 +427,7 @@ class StopFlag:
 class Loop:
     """The steps of a run between two evaluations, and the evaluations and checkpoints themselves."""
 
-    def __init__(self, run: Run, console: Console, metrics: MetricsLog, run_start: float):
+    def __init__(self, run: Run, console: Console, metrics: MetricsLog | None, run_start: float):
         self.run, self.console, self.metrics, self.run_start = run, console, metrics, run_start
         self.recent_losses: list[float] = []
         self.step_time_ema = None
@@ -422,6 +453,8 @@ class Loop:
                              "(resume with --resume once the cause is fixed)")
 
     def log_metrics(self, **record) -> None:
+        if self.metrics is None:        # not rank 0
+            return
         try:
             self.metrics.write(**record)
         except OSError as e:
@@ -431,6 +464,10 @@ class Loop:
         run = self.run
         if not all(np.isfinite(p).all() for p in run.model.params.values()):
             raise self.diverged(step, "the parameters hold NaN or infinite values")
+        run.world.check_same(run.model.params, f"step {step}: the parameters")
+        if run.world.rank != 0:         # rank 0 alone writes
+            run.saved_step = step
+            return
         state = {"step": step, "rng": rng_state(run.data_rng), "train_config": run.cfg.to_dict(),
                  "elapsed": run.elapsed_before + (time.perf_counter() - self.run_start), "tokens": run.tokens,
                  "val_loss": run.val_loss, "history": run.history, "text_sha256": run.corpus.text_sha256,
@@ -445,7 +482,7 @@ class Loop:
         run, cfg, log = self.run, self.run.cfg, self.console.log
         t0 = time.perf_counter()
         run.val_loss = estimate_loss(run.model, run.corpus.val_ids, cfg.batch_size, cfg.seq_len, cfg.eval_batches,
-                                     [cfg.seed, 2])
+                                     [cfg.seed, 2], run.world)
         recent = [r for r in self.recent_losses if math.isfinite(r)]
         train_loss = float(np.mean(recent)) if recent else None
         self.log_metrics(kind="eval", step=step, val_loss=run.val_loss, train_loss=train_loss)
@@ -456,7 +493,7 @@ class Loop:
             raise self.diverged(step, broken)
         run.history.append((step, run.val_loss))
         self.recent_losses.clear()
-        if cfg.sample_tokens:
+        if cfg.sample_tokens and run.world.rank == 0:
             text = sample_text(run.model, run.model.tokenizer, cfg.sample_tokens, seed=cfg.seed + step)
             log("  | " + text.replace("\n", "\n  | "))
 
@@ -467,12 +504,14 @@ class Loop:
         lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.decay_steps, cfg.min_lr)
         batches = [get_batch(run.corpus.train_ids, cfg.batch_size, cfg.seq_len, run.data_rng)
                    for _ in range(cfg.grad_accum)]
-        loss, norm = train_step(run.model, run.optimizer, batches, lr, cfg.grad_clip)
+        loss, norm = train_step(run.model, run.optimizer, batches, lr, cfg.grad_clip, run.world)
         broken = f"the gradient norm is {norm}" if not math.isfinite(norm) and math.isfinite(loss) else None
         before, self.param_norm = self.param_norm, parameter_norm(run.model.params)
         broken = broken or self.watch.train_loss(step + 1, loss) or self.watch.param_norm(before, self.param_norm)
         if broken:
             raise self.diverged(step + 1, broken)
+        if (step + 1) % CHECK_INTERVAL == 0:
+            run.world.check_same(run.model.params, f"step {step + 1}: the parameters")
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
         run.tokens += tokens_per_step
         dt = time.perf_counter() - t0
@@ -506,11 +545,15 @@ class Loop:
                             self.checkpoint(step)
                 if step >= cfg.max_steps:
                     break
-                if cfg.time_budget and time.perf_counter() - self.run_start >= cfg.time_budget:
+                # decided together: the ranks' clocks and Ctrl-Cs differ (one process: as they are)
+                over_budget, interrupted, closed = run.world.any_of(
+                    cfg.time_budget and time.perf_counter() - self.run_start >= cfg.time_budget,
+                    stop.requested, self.console.closed)
+                if over_budget:
                     stopped = "time_budget"
                     break
-                if stop.requested or self.console.closed:
-                    stopped = "interrupted" if stop.requested else "output_closed"
+                if interrupted or closed:
+                    stopped = "interrupted" if interrupted else "output_closed"
                     break
                 self.train_one_step(step)
                 step += 1
@@ -525,12 +568,16 @@ class Loop:
 def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
     """Export, the full validation loss, the loss curve, and the closing summary."""
     cfg, out_dir = run.cfg, Path(run.cfg.out_dir)
+    # the deterministic figure to quote: every validation token once, in windows of seq_len
+    final_val = full_val_loss(run.model, run.corpus.val_ids, cfg.seq_len, cfg.batch_size, run.world)
+    run.world.close()                   # the last collective: the rest is rank 0's alone
+    elapsed = time.perf_counter() - loop.run_start
+    if run.world.rank != 0:
+        return TrainResult(step, run.val_loss, run.ckpt_path if run.saved_step is not None else None,
+                           out_dir / METRICS_NAME, None, stopped, elapsed, final_val, run.history)
     if cfg.export:
         save(run.model, cfg.export, format=export_format(cfg.export))     # LoRA: merged
-    # the deterministic figure to quote: every validation token once, in windows of seq_len
-    final_val = full_val_loss(run.model, run.corpus.val_ids, cfg.seq_len, cfg.batch_size)
     loop.log_metrics(kind="final", step=step, full_val_loss=final_val)
-    elapsed = time.perf_counter() - loop.run_start
     try:
         png = plot_metrics(loop.metrics.path, out_dir / PLOT_NAME)
     except OSError as e:            # the run is saved; a picture that cannot be written is no failure
@@ -559,11 +606,14 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
 
 
 def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None = None,
-          explicit=()) -> TrainResult:
+          explicit=(), world: World = ALONE) -> TrainResult:
     """Run (or resume) training as cfg says; returns what happened. See the module docstring.
 
     explicit: the fields the user set (npllama train's flags): with --init, those that fix the
     architecture must agree with the checkpoint (train/finetune.py); the others follow it.
+    world: the ranks of an `mpiexec` run (train/distributed.py connect()), which share every
+    batch; rank 0 alone holds the lock, prints and writes files. RanksDisagree when the ranks
+    were given different settings.
     Raises NpllamaError (a ValueError) for unusable settings (OutputPathError for a file of the run
     that would overwrite one of its inputs or go through a symbolic link), MemoryLimitError for a run that
     cannot fit, RunLockedError when another run holds the --out-dir, FileNotFoundError for
@@ -571,19 +621,28 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
     above its best, RunWriteError when a file cannot be written (the last checkpoint is kept
     in both), and an OSError naming the path when the --out-dir cannot be made or read.
     """
-    console = Console(out or sys.stdout)
+    console = Console((out or sys.stdout) if world.rank == 0 else None)
+    world.check_same_config({"config": cfg.to_dict(), "explicit": sorted(explicit), "preset": preset_name})
     cfg.validate()
     check_run_files(cfg)            # before anything is made or read: no output over an input (run_files.py)
+    if cfg.batch_size < world.size:
+        raise NpllamaError(f"--batch-size {cfg.batch_size} cannot be shared by {world.size} ranks, which need a "
+                           f"window of every batch each; use --batch-size {world.size} or more, or fewer ranks")
     run_start = time.perf_counter()
-    with RunLock(cfg.out_dir) as lock:
-        if lock.stale_note():
-            console.log(lock.stale_note())
-        remove_stale_temp_files(Path(cfg.out_dir), console.log)
-        run = resume_run(cfg, console.log, explicit) if cfg.resume else new_run(cfg, console.log, explicit)
+    with world.share_cores(), RunLock(cfg.out_dir) if world.rank == 0 else nullcontext() as lock:
+        if lock is not None:
+            if lock.stale_note():
+                console.log(lock.stale_note())
+            remove_stale_temp_files(Path(cfg.out_dir), console.log)
+        run = (resume_run(cfg, console.log, explicit, world) if cfg.resume
+               else new_run(cfg, console.log, explicit, world))
+        world.check_same({**run.model.params, "tokens": run.corpus.train_ids}, f"at step {run.start_step}: the "
+                         "parameters or the training tokens")
         run.model.gradient_checkpointing = cfg.gradient_checkpointing
         plan(run, run_start, console.log)
         log_header(run, preset_name, console.log)
-        metrics = MetricsLog(Path(cfg.out_dir) / METRICS_NAME, run.start_step if cfg.resume else None)
+        metrics = MetricsLog(Path(cfg.out_dir) / METRICS_NAME, run.start_step if cfg.resume else None) \
+            if world.rank == 0 else None
         try:
             loop = Loop(run, console, metrics, run_start)
             # the run's steps reuse the memory the last one freed (engine/settings.py), restored after
@@ -591,7 +650,8 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
                 step, stopped = loop.run_until_done()
             return finish(run, loop, step, stopped, console.log)
         finally:
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
 
 
 def remove_stale_temp_files(out_dir: Path, log) -> None:
