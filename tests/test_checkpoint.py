@@ -171,14 +171,18 @@ def test_sentencepiece_tokenizer_travels_with_both_formats(tmp_path):
     assert read_safetensors_header(folder / "model.safetensors")[1] == {"format": "pt"}
     assert npllama.load(folder).tokenizer == tok
     assert npllama.load(npllama.save(model, tmp_path / "m.safetensors", format="meta")).tokenizer == tok
-    (folder / "tokenizer.model").unlink()
-    assert npllama.load(folder).tokenizer is None
+    (folder / "tokenizer.model").unlink()     # tokenizer.json, written beside it, then gives the same ids
+    from_json = npllama.load(folder).tokenizer
+    assert type(from_json).__name__ == "HFTokenizer" and (from_json.bos_id, from_json.eos_id) == (1, 2)
+    text = "Hello  world, good night sweet prince\n"
+    assert from_json.encode(text) == tok.encode(text) and from_json.decode(tok.encode(text)) == text
 
 
 def test_hf_round_trip_without_torch(tiny_config, tmp_path):
     model = random_model(tiny_config)
     folder = npllama.save(model, tmp_path / "hf", format="hf")
-    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json"}
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "generation_config.json"}
+    assert json.loads((folder / "generation_config.json").read_text()) == {}     # no tokenizer: no BOS / EOS
     hf = json.loads((folder / "config.json").read_text())
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
     assert hf["num_key_value_heads"] == tiny_config.n_kv_heads and hf["torch_dtype"] == "float32"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..io import load, save
 from ..tokenizers import SentencePieceTokenizer
+from ..tokenizers.hf_export import hf_tokenizer_files
 from ..train.config import export_format
 from ..errors import NpllamaError
 
@@ -56,5 +57,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"[npllama export] {args.model} -> {out} ({fmt}, {args.dtype}; {cfg.n_params():,} params, dim {cfg.dim}, "
           f"{cfg.n_layers} layers; tokenizer: {model.tokenizer!r})", file=sys.stderr)
     if fmt == "hf":
+        if model.tokenizer is None:
+            print(f"note: {hf_tokenizer_files(None).note}", file=sys.stderr)
         print(f"load it with: transformers.LlamaForCausalLM.from_pretrained({str(out)!r})", file=sys.stderr)
     return 0
