@@ -13,34 +13,39 @@ here without protobuf, and transformers then needs nothing beyond itself:
 and generation_config_json(tokenizer) gives generation_config.json (its BOS / EOS ids).
 
 Sentencepiece BPE -> tokenizer.json. The pieces, scores and kinds come from sentencepiece's own
-API, the normalizer and trainer settings from the file (spm_proto.py). The file is the one
-transformers 5 builds from a .model itself (SpmConverter.build_tokenizer_from_spm_proto, "so the
-result encodes like SentencePieceProcessor.encode"), with tokenizer_class PreTrainedTokenizerFast so
-that transformers runs it as written (for LlamaTokenizer it would rebuild the normalizer and
-pre-tokenizer its own way; transformers 4 knows the class too):
+API, the normalizer and trainer settings from the file (spm_proto.py). The file follows the one
+transformers 5 builds from a .model itself (SpmConverter.build_tokenizer_from_spm_proto, meant to
+"encode like SentencePieceProcessor.encode"), corrected where that one differs from sentencepiece
+(trailing '▁', and the leading spaces decode drops), and tokenizer_config.json names the class
+PreTrainedTokenizerFast, so that transformers runs it as written (for LlamaTokenizer it would
+rebuild the normalizer and pre-tokenizer its own way; transformers 4 knows the class too):
 
     model          BPE over every piece, id for id; byte_fallback as the model's; merges: every
                    split of a normal piece into two normal pieces, ranked by the piece's score
                    (highest first), then its id -- sentencepiece (bpe_model.cc) repeatedly joins the
                    adjacent pair that makes the highest-scoring piece
     normalizer     sentencepiece's normalizer (normalizer.cc) as steps: its precompiled character
-                   map when it has one, remove_extra_whitespaces (leading and trailing spaces
-                   dropped, runs of spaces made one), ' ' -> '▁', and with the dummy prefix a
-                   second '▁' before a text that starts with one (Metaspace below adds the
-                   prefix only when the text does not start with '▁'; sentencepiece always does)
+                   map when it has one (npllama's own reader hands such files to the `tokenizers`
+                   package); with remove_extra_whitespaces, leading spaces dropped and runs of
+                   spaces made one; ' ' -> '▁'; then trailing '▁'s dropped (a '▁' of the text too,
+                   as sentencepiece drops them); with the dummy prefix, a second '▁' before a text
+                   that starts with one (Metaspace adds the prefix only when the text does not
+                   start with '▁'; sentencepiece always does)
     pre_tokenizer  Metaspace, prepend_scheme "always", split off: the dummy prefix '▁'
     decoder        '▁' -> ' ', byte pieces joined into UTF-8, fused, the leading space dropped
-                   (all leading spaces, for models that remove extra whitespace)
+                   (all leading spaces, for models that remove extra whitespace) as
+                   sentencepiece's decoder drops it
     added_tokens   the control and unknown pieces (<unk>, <s>, </s>), special
     post_processor <s> before the text (Llama's add_bos_token)
 
-Where this differs from sentencepiece (both are what transformers does with any sentencepiece
-model, so nothing to fix in the file): a literal "<s>", "</s>" or "<unk>" in the text is its
-special id (sentencepiece spells it out), and the text after it gets a dummy prefix of its own;
-decode leaves out the unknown piece (sentencepiece prints " ⁇ ") and turns a byte run that is not
-valid UTF-8 into one U+FFFD per byte. Pieces with equal scores (Llama 2's sixteen runs of '▁', all
--1e9) are ranked by id, where sentencepiece takes the leftmost pair; tests/test_hf_export.py checks
-runs of spaces against sentencepiece.
+Where this differs from sentencepiece (what transformers does with any sentencepiece model,
+beyond what a file can change): a literal "<s>", "</s>" or "<unk>" in the text is its special id
+(sentencepiece spells it out), and the text after it gets a dummy prefix of its own; decode leaves
+out the unknown piece (sentencepiece prints " ⁇ "), and a run of byte pieces that is not valid
+UTF-8 as a whole becomes one U+FFFD per byte (sentencepiece keeps the valid characters in it).
+Pieces with equal scores (Llama 2's sixteen runs of '▁', all -1e9) are ranked by id, where
+sentencepiece takes the leftmost pair; tests/test_hf_export.py checks runs of spaces against
+sentencepiece, equal.
 
 Refused (the folder is then written with tokenizer.model and no tokenizer.json, and a note says
 why): unigram, word and char sentencepiece models, user-defined pieces, unused pieces, whitespace
@@ -201,7 +206,7 @@ def sentencepiece_tokenizer_json(tokenizer: SentencePieceTokenizer) -> dict:
     if spec.byte_fallback:
         decoders.append({"type": "ByteFallback"})
     decoders.append({"type": "Fuse"})
-    if spec.add_dummy_prefix:
+    if spec.add_dummy_prefix or spec.remove_extra_whitespaces:
         decoders.append({"type": "Strip", "content": " ", "start": _leading_spaces_dropped(spec, pieces), "stop": 0})
 
     bos = tokenizer.bos_id
@@ -224,12 +229,13 @@ def sentencepiece_tokenizer_json(tokenizer: SentencePieceTokenizer) -> dict:
 
 
 def _leading_spaces_dropped(spec, pieces: list[str]) -> int:
-    """How many leading spaces decode drops: sentencepiece's decoder (sentencepiece_processor.cc)
-    takes one '▁' off the first piece; with remove_extra_whitespaces it goes on to the next piece
-    while the text so far is empty. Without pieces of two or more '▁' alone, that drops every
-    leading space (2**30 of them stands for all); with them it is not a count, and one is what
-    encode's own ids need (they start with a whitespace-only piece only for a text with a '▁')."""
-    if spec.remove_extra_whitespaces and not any(len(p) > 1 and not p.strip(SPACE) for p in pieces):
+    """How many leading spaces decode drops. sentencepiece's decoder (sentencepiece_processor.cc,
+    Decode; with add_dummy_prefix or remove_extra_whitespaces) takes one '▁' off the first piece;
+    with remove_extra_whitespaces it goes on, one '▁' off each next piece, while the text so far
+    is empty. Unless a piece starts with two '▁', that drops every leading space (2**30 of them
+    stands for all); with such pieces it is not a count of spaces, and one is what the ids encode
+    gives need (they start with a whitespace-only piece only for a text holding a '▁')."""
+    if spec.remove_extra_whitespaces and not any(p.startswith(SPACE * 2) for p in pieces):
         return 1 << 30
     return 1
 
