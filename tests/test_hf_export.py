@@ -51,10 +51,12 @@ def _tokenizer(kind: str):
         return SentencePieceTokenizer.from_file(data_file("tok512.model"))
     if kind == "bpe":
         return train_sentencepiece(_shakespeare()[:100_000], 400)
+    if kind == "unigram":
+        return check_hf_export.train_unigram(_shakespeare()[:100_000], 600)
     return CharTokenizer.from_text(_shakespeare())
 
 
-KINDS = ["llama2", "tok512", "bpe", "char"]
+KINDS = ["llama2", "tok512", "bpe", "unigram", "char"]
 
 
 def _texts(kind):
@@ -115,7 +117,7 @@ def test_npllama_reads_back_the_tokenizer_json_with_the_same_ids(kind):
         assert reader.decode(ids) == tokenizer.decode(ids), text
 
 
-@pytest.mark.parametrize("kind", ["llama2", "tok512", "bpe"])
+@pytest.mark.parametrize("kind", ["llama2", "tok512", "bpe", "unigram"])
 def test_spacing_and_characters_outside_the_vocabulary_equal_sentencepiece(kind):
     """Runs of spaces (Llama 2 ranks its sixteen '▁' runs, all scored -1e9, by id where sentencepiece
     takes the leftmost pair), spaces at either end, a literal '▁' (which sentencepiece treats as a
@@ -208,35 +210,34 @@ def test_the_files_of_each_kind():
     assert none.files == {} and "no tokenizer" in none.note
 
 
-def _unigram_model() -> SentencePieceTokenizer:
-    model = io.BytesIO()
-    text = "the king of all that lies beneath heaven and earth\nmy lord good night sweet prince\n" * 30
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(text.split("\n")), model_writer=model, model_type="unigram",
-                                   vocab_size=30, minloglevel=2, num_threads=1)
-    return SentencePieceTokenizer(model.getvalue())
-
-
-def test_a_model_it_cannot_convert_exactly_is_refused_naming_why(tmp_path):
-    unigram = _unigram_model()
-    with pytest.raises(InexactTokenizerError, match="unigram sentencepiece model"):
-        sentencepiece_tokenizer_json(unigram)
-    model = npllama.Llama(npllama.LlamaConfig(dim=16, n_layers=1, n_heads=2, vocab_size=unigram.vocab_size,
-                                              multiple_of=8, max_seq_len=16), seed=0)
-    model.tokenizer = unigram
-    with pytest.warns(UserWarning, match="tokenizer.json not written: it is a unigram sentencepiece model") as caught:
-        folder = npllama.save(model, tmp_path / "hf")
-    assert len(caught) == 1 and "\n" not in str(caught[0].message)
-    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "generation_config.json",
-                                                  "tokenizer.model"}
-    assert npllama.load(folder).tokenizer == unigram           # still loads, from tokenizer.model
-
-
-# ---------------------------------------------------------------- save and load
-
 def _small_model(vocab_size, seed=0):
     cfg = npllama.LlamaConfig(dim=16, n_layers=1, n_heads=2, vocab_size=vocab_size, multiple_of=8, max_seq_len=64)
     return npllama.Llama(cfg, seed=seed)
 
+
+def _with_user_defined_pieces() -> SentencePieceTokenizer:
+    model = io.BytesIO()
+    text = "the king of all that lies beneath heaven and earth\nmy lord good night sweet prince\n" * 30
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text.split("\n")), model_writer=model, model_type="bpe",
+                                   vocab_size=60, user_defined_symbols=["<sep>", "king"], minloglevel=2, num_threads=1)
+    return SentencePieceTokenizer(model.getvalue())
+
+
+def test_a_model_it_cannot_convert_exactly_is_refused_naming_why(tmp_path):
+    tokenizer = _with_user_defined_pieces()
+    with pytest.raises(InexactTokenizerError, match="it has 2 user-defined pieces"):
+        sentencepiece_tokenizer_json(tokenizer)
+    model = _small_model(tokenizer.vocab_size)
+    model.tokenizer = tokenizer
+    with pytest.warns(UserWarning, match="tokenizer.json not written: it has 2 user-defined pieces") as caught:
+        folder = npllama.save(model, tmp_path / "hf")
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "generation_config.json",
+                                                  "tokenizer.model"}
+    assert npllama.load(folder).tokenizer == tokenizer           # still loads, from tokenizer.model
+
+
+# ---------------------------------------------------------------- save and load
 
 def test_a_sentencepiece_export_loads_back_from_tokenizer_json_alone(tmp_path):
     tokenizer = _tokenizer("tok512")

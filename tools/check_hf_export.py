@@ -18,6 +18,7 @@ The folders, one per kind of tokenizer npllama has:
     llama2   a small random model exported with --tokenizer llama2-tokenizer.model
     bpe      a small random model whose tokenizer train_sentencepiece trained on TinyShakespeare
              (what `npllama train --tokenizer bpe` makes)
+    unigram  the same with a sentencepiece unigram model trained on TinyShakespeare
 
 For each, `check` asserts:
   1. AutoTokenizer.from_pretrained(folder) encodes 200 TinyShakespeare lines (and, for the
@@ -90,8 +91,21 @@ def _random_model_file(path: Path, tokenizer) -> Path:
     return npllama.save(model, path, format="meta")
 
 
+def train_unigram(text: str, vocab_size: int):
+    """A sentencepiece unigram model trained on text, with train_sentencepiece's other settings."""
+    import sentencepiece as spm
+    from npllama.tokenizers import SentencePieceTokenizer
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for line in text.split("\n") if line]), model_writer=model,
+        model_type="unigram", vocab_size=vocab_size, byte_fallback=True, character_coverage=1.0,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2,
+        pad_id=-1, num_threads=1, minloglevel=2)
+    return SentencePieceTokenizer(model.getvalue())
+
+
 def export(out: Path, data_dir: Path) -> Path:
-    """Export the four folders into out and write out/expected.json; returns its path."""
+    """Export the five folders into out and write out/expected.json; returns its path."""
     import npllama
     from npllama.tokenizers import SentencePieceTokenizer, train_sentencepiece
     from npllama.tokenizers.tokenizer_json import HFTokenizer
@@ -108,6 +122,8 @@ def export(out: Path, data_dir: Path) -> Path:
         # trains it on the training split
         "bpe": ([str(_random_model_file(out / "bpe-random.safetensors", train_sentencepiece(text[:100_000], 400)))],
                 lines[3]),
+        "unigram": ([str(_random_model_file(out / "unigram-random.safetensors", train_unigram(text[:100_000], 600)))],
+                    lines[5]),
     }
     cases = []
     for name, (model_args, prompt) in sources.items():
@@ -268,7 +284,7 @@ def main(argv=None) -> int:
     p.add_argument("--hide", action="store_true",
                    help="check: hide sentencepiece, protobuf, tiktoken and npllama from this process first")
     p.add_argument("--only", type=lambda s: s.split(","), metavar="NAME,...",
-                   help="check: only these folders (char, tok512, llama2, bpe)")
+                   help="check: only these folders (char, tok512, llama2, bpe, unigram)")
     args = p.parse_args(argv)
     if args.mode == "export":
         data_dir = os.environ.get("NPLLAMA_DATA_DIR")

@@ -12,7 +12,7 @@ here without protobuf, and transformers then needs nothing beyond itself:
     HFTokenizer (read from a tokenizer.json)   the files it was read from, unchanged
 and generation_config_json(tokenizer) gives generation_config.json (its BOS / EOS ids).
 
-Sentencepiece BPE -> tokenizer.json. The pieces, scores and kinds come from sentencepiece's own
+Sentencepiece BPE or unigram -> tokenizer.json. The pieces, scores and kinds come from sentencepiece's own
 API, the normalizer and trainer settings from the file (spm_proto.py). The file follows the one
 transformers 5 builds from a .model itself (SpmConverter.build_tokenizer_from_spm_proto, meant to
 "encode like SentencePieceProcessor.encode"), corrected where that one differs from sentencepiece
@@ -20,10 +20,11 @@ transformers 5 builds from a .model itself (SpmConverter.build_tokenizer_from_sp
 PreTrainedTokenizerFast, so that transformers runs it as written (for LlamaTokenizer it would
 rebuild the normalizer and pre-tokenizer its own way; transformers 4 knows the class too):
 
-    model          BPE over every piece, id for id; byte_fallback as the model's; merges: every
+    model          every piece, id for id, byte_fallback as the model's. BPE: merges are every
                    split of a normal piece into two normal pieces, ranked by the piece's score
                    (highest first), then its id -- sentencepiece (bpe_model.cc) repeatedly joins the
-                   adjacent pair that makes the highest-scoring piece
+                   adjacent pair that makes the highest-scoring piece. Unigram: the pieces with
+                   their scores, for the same Viterbi search as unigram_model.cc's
     normalizer     sentencepiece's normalizer (normalizer.cc) as steps: its precompiled character
                    map when it has one (npllama's own reader hands such files to the `tokenizers`
                    package); with remove_extra_whitespaces, leading spaces dropped and runs of
@@ -43,13 +44,14 @@ beyond what a file can change): a literal "<s>", "</s>" or "<unk>" in the text i
 (sentencepiece spells it out), and the text after it gets a dummy prefix of its own; decode leaves
 out the unknown piece (sentencepiece prints " ⁇ "), and a run of byte pieces that is not valid
 UTF-8 as a whole becomes one U+FFFD per byte (sentencepiece keeps the valid characters in it).
-Pieces with equal scores (Llama 2's sixteen runs of '▁', all -1e9) are ranked by id, where
+BPE pieces with equal scores (Llama 2's sixteen runs of '▁', all -1e9) are ranked by id, where
 sentencepiece takes the leftmost pair; tests/test_hf_export.py checks runs of spaces against
-sentencepiece, equal.
+sentencepiece, equal. A unigram model's byte and control pieces can match their own text (a
+literal "<0x41>"), which sentencepiece never does.
 
 Refused (the folder is then written with tokenizer.model and no tokenizer.json, and a note says
-why): unigram, word and char sentencepiece models, user-defined pieces, unused pieces, whitespace
-as a suffix, unescaped whitespace, a denormalizer.
+why): word and char sentencepiece models, user-defined pieces, unused pieces, whitespace as a
+suffix, unescaped whitespace, a denormalizer.
 
 CharTokenizer -> a BPE model with the characters as its vocabulary, id for id, and no merges,
 normalizer, pre-tokenizer, special tokens or post-processor; the decoder fuses the characters.
@@ -66,7 +68,7 @@ import sentencepiece as spm
 from ..errors import NpllamaError
 from .char import CharTokenizer
 from .sentencepiece import SentencePieceTokenizer
-from .spm_proto import BPE, MODEL_TYPE_NAMES, read_spec
+from .spm_proto import BPE, MODEL_TYPE_NAMES, UNIGRAM, read_spec
 
 SPACE = "\u2581"  # sentencepiece's '▁', which stands for ' '
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
@@ -158,23 +160,23 @@ def _replace(pattern: dict, content: str) -> dict:
 
 
 def sentencepiece_tokenizer_json(tokenizer: SentencePieceTokenizer) -> dict:
-    """The tokenizer.json dict of a sentencepiece BPE model (see the module docstring); raises
-    InexactTokenizerError, naming every reason, for a model it would not encode exactly."""
+    """The tokenizer.json dict of a sentencepiece BPE or unigram model (see the module docstring);
+    raises InexactTokenizerError, naming every reason, for a model it would not encode exactly."""
     spec = read_spec(tokenizer.model_proto)
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(tokenizer.model_proto)
+    n = sp.vocab_size()
+    pieces = [sp.id_to_piece(i) for i in range(n)]
     problems = []
-    if spec.model_type != BPE:
+    if spec.model_type not in (BPE, UNIGRAM):
         problems.append(f"it is a {MODEL_TYPE_NAMES.get(spec.model_type, spec.model_type)} sentencepiece model "
-                        "(only BPE models are converted)")
+                        "(BPE and unigram models are converted)")
     if spec.user_defined_ids:
         problems.append(f"it has {len(spec.user_defined_ids)} user-defined pieces")
     if spec.treat_whitespace_as_suffix or not spec.escape_whitespaces:
         problems.append("it does not mark whitespace with a leading '▁'")
     if spec.denormalizer_charsmap:
         problems.append("it has a denormalizer")
-    sp = spm.SentencePieceProcessor()
-    sp.LoadFromSerializedProto(tokenizer.model_proto)
-    n = sp.vocab_size()
-    pieces = [sp.id_to_piece(i) for i in range(n)]
     unused = sum(sp.is_unused(i) for i in range(n))
     if unused:
         problems.append(f"it has {unused} unused pieces")
@@ -182,33 +184,14 @@ def sentencepiece_tokenizer_json(tokenizer: SentencePieceTokenizer) -> dict:
         raise InexactTokenizerError("; ".join(problems))
 
     specials = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
-    normal = {pieces[i]: i for i in range(n) if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))}
-    ranked = []
-    for piece, i in normal.items():
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in normal and right in normal:
-                ranked.append((-sp.get_score(i), i, left, right))
-    merges = [[left, right] for _, _, left, right in sorted(ranked)]
-
-    normalizers = []
-    if spec.precompiled_charsmap:
-        normalizers.append({"type": "Precompiled",
-                            "precompiled_charsmap": base64.b64encode(spec.precompiled_charsmap).decode("ascii")})
-    if spec.remove_extra_whitespaces:  # only ' ' counts: sentencepiece leaves newlines and tabs alone
-        normalizers += [_replace({"Regex": r"\A +"}, ""), _replace({"Regex": " {2,}"}, " ")]
-    normalizers.append(_replace({"String": " "}, SPACE))
-    if spec.remove_extra_whitespaces:  # at the end, after ' ' -> '▁': a '▁' in the text goes too
-        normalizers.append(_replace({"Regex": rf"{SPACE}+\z"}, ""))
-    if spec.add_dummy_prefix:
-        normalizers.append(_replace({"Regex": rf"\A{SPACE}"}, SPACE * 2))
-    decoders = [_replace({"String": SPACE}, " ")]
-    if spec.byte_fallback:
-        decoders.append({"type": "ByteFallback"})
-    decoders.append({"type": "Fuse"})
-    if spec.add_dummy_prefix or spec.remove_extra_whitespaces:
-        decoders.append({"type": "Strip", "content": " ", "start": _leading_spaces_dropped(spec, pieces), "stop": 0})
-
+    if spec.model_type == BPE:
+        model = {"type": "BPE", "dropout": None, "unk_token": None if tokenizer.unk_id is None else pieces[tokenizer.unk_id],
+                 "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                 "byte_fallback": spec.byte_fallback, "ignore_merges": False,
+                 "vocab": {piece: i for i, piece in enumerate(pieces)}, "merges": _merges(sp, pieces)}
+    else:  # the Viterbi search of unigram_model.cc, which models/unigram runs over the same scores
+        model = {"type": "Unigram", "unk_id": tokenizer.unk_id, "byte_fallback": spec.byte_fallback,
+                 "vocab": [[piece, sp.get_score(i)] for i, piece in enumerate(pieces)]}
     bos = tokenizer.bos_id
     return {
         "version": "1.0",
@@ -216,16 +199,53 @@ def sentencepiece_tokenizer_json(tokenizer: SentencePieceTokenizer) -> dict:
         "padding": None,
         "added_tokens": [{"id": i, "content": pieces[i], "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": True} for i in specials],
-        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "normalizer": _normalizer(spec),
         "pre_tokenizer": ({"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "always", "split": False}
                           if spec.add_dummy_prefix else None),
         "post_processor": None if bos is None else _bos_template(pieces[bos], bos),
-        "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None if tokenizer.unk_id is None else pieces[tokenizer.unk_id],
-                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
-                  "byte_fallback": spec.byte_fallback, "ignore_merges": False,
-                  "vocab": {piece: i for i, piece in enumerate(pieces)}, "merges": merges},
+        "decoder": _decoder(spec, pieces),
+        "model": model,
     }
+
+
+def _merges(sp: spm.SentencePieceProcessor, pieces: list[str]) -> list[list[str]]:
+    """Every split of a normal piece into two normal pieces, the highest-scoring piece's first,
+    then by id."""
+    normal = {pieces[i]: i for i in range(len(pieces)) if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))}
+    ranked = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-sp.get_score(i), i, left, right))
+    return [[left, right] for _, _, left, right in sorted(ranked)]
+
+
+def _normalizer(spec) -> dict:
+    """sentencepiece's normalizer (normalizer.cc) as tokenizers' normalizer steps."""
+    steps = []
+    if spec.precompiled_charsmap:
+        steps.append({"type": "Precompiled",
+                      "precompiled_charsmap": base64.b64encode(spec.precompiled_charsmap).decode("ascii")})
+    if spec.remove_extra_whitespaces:  # only ' ' counts: sentencepiece leaves newlines and tabs alone
+        steps += [_replace({"Regex": r"\A +"}, ""), _replace({"Regex": " {2,}"}, " ")]
+    steps.append(_replace({"String": " "}, SPACE))
+    if spec.remove_extra_whitespaces:  # at the end, after ' ' -> '▁': a '▁' in the text goes too
+        steps.append(_replace({"Regex": rf"{SPACE}+\z"}, ""))
+    if spec.add_dummy_prefix:
+        steps.append(_replace({"Regex": rf"\A{SPACE}"}, SPACE * 2))
+    return {"type": "Sequence", "normalizers": steps}
+
+
+def _decoder(spec, pieces: list[str]) -> dict:
+    """sentencepiece's decoder (sentencepiece_processor.cc, Decode) as tokenizers' decoder steps."""
+    steps = [_replace({"String": SPACE}, " ")]
+    if spec.byte_fallback:
+        steps.append({"type": "ByteFallback"})
+    steps.append({"type": "Fuse"})
+    if spec.add_dummy_prefix or spec.remove_extra_whitespaces:
+        steps.append({"type": "Strip", "content": " ", "start": _leading_spaces_dropped(spec, pieces), "stop": 0})
+    return {"type": "Sequence", "decoders": steps}
 
 
 def _leading_spaces_dropped(spec, pieces: list[str]) -> int:
