@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sentencepiece as spm
+from hypothesis import given, strategies as st
 
 import npllama
 from npllama.errors import NpllamaError
@@ -98,10 +99,21 @@ def test_settings_agree_with_what_sentencepiece_does():
         assert (sp.normalize("a  b ") == "\u2581a\u2581b") == read_spec(proto).remove_extra_whitespaces, name
 
 
-@pytest.mark.parametrize("data", [b"\x0a\xff\x01", b"\x0a", b"\x80", b"\x0f"])
+@pytest.mark.parametrize("data", [b"\x0a\xff\x01", b"\x0a", b"\x80", b"\x0f", b"\x08\x01",
+                                  b"\x1a\x02\x12\x05"])
 def test_a_corrupt_model_is_one_npllama_error(data):
     with pytest.raises(NpllamaError, match="sentencepiece model is (truncated or )?corrupt"):
         read_spec(data)
+
+
+@given(st.binary(max_size=64) | st.builds(lambda cut: data_file("tok512.model").read_bytes()[:cut],
+                                          st.integers(0, 8000)))
+def test_any_bytes_give_settings_or_one_npllama_error(data):
+    """Truncated models and noise: the settings, or an NpllamaError; never another exception."""
+    try:
+        read_spec(data)
+    except NpllamaError as e:
+        assert "\n" not in str(e)
 
 
 # ---------------------------------------------------------------- npllama's reader reads it back

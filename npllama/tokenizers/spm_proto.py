@@ -80,10 +80,13 @@ def _fields(data: bytes):
 
 
 def _last(message: bytes, defaults: dict) -> dict:
-    """{field number: value} for the fields in `defaults`, the last occurrence winning (proto2)."""
+    """{field number: value} for the fields in `defaults`, the last occurrence winning (proto2);
+    each must have its default's kind (a varint for an int, length-delimited for bytes)."""
     found = dict(defaults)
     for number, value in _fields(message):
         if number in found:
+            if type(value) is not type(defaults[number]):
+                raise NpllamaError(f"the sentencepiece model is corrupt (field {number} has the wrong wire type)")
             found[number] = value
     return found
 
@@ -100,6 +103,8 @@ def read_spec(model_proto: bytes) -> SentencePieceSpec:
     trainer, normalizer, denormalizer, user_defined = b"", b"", b"", []
     piece_index = 0
     for number, value in _fields(model_proto):
+        if number in (1, 2, 3, 5) and not isinstance(value, bytes):
+            raise NpllamaError(f"the sentencepiece model is corrupt (field {number} is not a message)")
         if number == 1:
             if _last(value, {3: 1})[3] == USER_DEFINED:
                 user_defined.append(piece_index)
