@@ -15,7 +15,7 @@ does, in an environment that has them).
 The folders, one per kind of tokenizer npllama has:
     char     the shipped weights/shakespeare-char.safetensors (CharTokenizer)
     tok512   llama2.c's stories260K.bin exported with --tokenizer tok512.model (sentencepiece BPE)
-    llama2   a small random model exported with --tokenizer llama2-tokenizer.model
+    llama2   a small random model with Llama 2's tokenizer (llama2-tokenizer.model)
     bpe      a small random model whose tokenizer train_sentencepiece trained on TinyShakespeare
              (what `npllama train --tokenizer bpe` makes)
     unigram  the same with a sentencepiece unigram model trained on TinyShakespeare
