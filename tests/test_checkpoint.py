@@ -173,14 +173,18 @@ def test_sentencepiece_tokenizer_travels_with_both_formats(tmp_path):
     assert metadata.pop(SAVE_ID_KEY) == hf[SAVE_ID_KEY] and metadata == {"format": "pt"}    # no tokenizer inside
     assert npllama.load(folder).tokenizer == tok
     assert npllama.load(npllama.save(model, tmp_path / "m.safetensors", format="meta")).tokenizer == tok
-    (folder / "tokenizer.model").unlink()
-    assert npllama.load(folder).tokenizer is None
+    (folder / "tokenizer.model").unlink()     # tokenizer.json, written beside it, then gives the same ids
+    from_json = npllama.load(folder).tokenizer
+    assert type(from_json).__name__ == "HFTokenizer" and (from_json.bos_id, from_json.eos_id) == (1, 2)
+    text = "Hello  world, good night sweet prince\n"
+    assert from_json.encode(text) == tok.encode(text) and from_json.decode(tok.encode(text)) == text
 
 
 def test_hf_round_trip_without_torch(tiny_config, tmp_path):
     model = random_model(tiny_config)
     folder = npllama.save(model, tmp_path / "hf", format="hf")
-    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json"}
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "generation_config.json"}
+    assert json.loads((folder / "generation_config.json").read_text()) == {}     # no tokenizer: no BOS / EOS
     hf = json.loads((folder / "config.json").read_text())
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
     assert hf["num_key_value_heads"] == tiny_config.n_kv_heads and hf["torch_dtype"] == "float32"
@@ -243,7 +247,8 @@ def test_sharded_hf_folder_loads(tmp_path):
     (tmp_path / "sharded" / "README.md").write_text("notes")
     other = random_model(gqa_config(), seed=1)
     npllama.save(other, tmp_path / "sharded", format="hf")
-    assert {p.name for p in (tmp_path / "sharded").iterdir()} == {"README.md", "config.json", "model.safetensors"}
+    assert {p.name for p in (tmp_path / "sharded").iterdir()} == {"README.md", "config.json", "model.safetensors",
+                                                                 "generation_config.json"}
     np.testing.assert_array_equal(npllama.load(tmp_path / "sharded").forward(TOKENS), other.forward(TOKENS))
 
 

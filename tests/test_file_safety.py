@@ -227,7 +227,8 @@ def test_a_folder_save_replaces_the_model_and_keeps_the_rest(tmp_path):
     (folder / "tokenizer.model").write_bytes(b"an old model's tokenizer")      # superseded: would mislead
     npllama.save(model(1), folder, format="hf")
     names = sorted(p.name for p in folder.iterdir())
-    assert names == ["README.md", "config.json", "extra", "model.safetensors"]
+    assert names == ["README.md", "config.json", "extra", "generation_config.json", "model.safetensors",
+                     "tokenizer.json", "tokenizer_config.json"]
     assert (folder / "README.md").read_text() == "mine" and (folder / "extra" / "data.bin").read_bytes() == b"\1\2"
     assert same_params(npllama.load(folder).params, model(1).params)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]     # no temporary folder left

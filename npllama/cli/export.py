@@ -24,6 +24,7 @@ from ..io.errors import OutputPathError
 from ..io.outputs import (check_output_path, check_save_target, checkpoint_kind, model_inputs, refuse_inputs,
                           same_file)
 from ..tokenizers import SentencePieceTokenizer
+from ..tokenizers.hf_export import hf_tokenizer_files
 from ..train.config import export_format
 from ..errors import NpllamaError
 
@@ -85,5 +86,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"[npllama export] {args.model} -> {out} ({fmt}, {args.dtype}; {cfg.n_params():,} params, dim {cfg.dim}, "
           f"{cfg.n_layers} layers; tokenizer: {model.tokenizer!r})", file=sys.stderr)
     if fmt == "hf":
+        if model.tokenizer is None:
+            print(f"note: {hf_tokenizer_files(None).note}", file=sys.stderr)
         print(f"load it with: transformers.LlamaForCausalLM.from_pretrained({str(out)!r})", file=sys.stderr)
     return 0

@@ -53,6 +53,7 @@ from ..llama import Llama, LoraLlama
 from ..storage import all_finite, compute_dtype_of, is_half, storage_dtype_name, to_float, to_storage
 from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer, tokenizer_from_folder
+from ..tokenizers.hf_export import generation_config_json, hf_tokenizer_files
 from .atomic import write_bytes_atomic, write_folder_atomic
 from .errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError, PICKLE_HINT
 from .footprint import LoadFootprint, load_footprint
@@ -444,10 +445,12 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
 
     format="hf":   path is a folder (created if needed) holding model.safetensors (HF names,
                    q/k rows permuted to rotate-half order), config.json for LlamaForCausalLM,
-                   and tokenizer.model when model.tokenizer is SentencePiece, tokenizer.json (and
-                   tokenizer_config.json) when it came from one (any other tokenizer
-                   goes to the metadata key "npllama_tokenizer"). It loads with
-                   transformers.LlamaForCausalLM.from_pretrained(path).
+                   generation_config.json (BOS / EOS ids), and the tokenizer's files
+                   (tokenizers/hf_export.py): tokenizer.json and tokenizer_config.json, which
+                   transformers reads with no extra package, and tokenizer.model for a
+                   sentencepiece model (a CharTokenizer also goes to the metadata key
+                   "npllama_tokenizer", so load gives it back as it was). It loads with
+                   transformers.LlamaForCausalLM.from_pretrained(path) and AutoTokenizer.
     format="meta": path is one .safetensors file with Meta names and metadata
                    {"format": "pt", "npllama_config": config JSON, "npllama_tokenizer": tokenizer
                    JSON when model.tokenizer is set}.
@@ -487,17 +490,15 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
         hf = meta_to_hf({n: params[n] for n in cfg.param_shapes()}, cfg)
         del meta[CONFIG_KEY]                 # config.json carries it, in transformers' terms
         meta[SAVE_ID_KEY] = uuid.uuid4().hex
+        tokenizer_files = hf_tokenizer_files(tokenizer, cfg.max_seq_len)   # tokenizers/hf_export.py
+        if tokenizer_files.restores:         # loading the folder gives it back from these files
+            del meta[TOKENIZER_KEY]
+        if tokenizer is not None and tokenizer_files.note:
+            warnings.warn(f"{path}: {tokenizer_files.note}", stacklevel=2)
 
         def write_contents(path):            # a new temporary folder, which then replaces the old one whole
-            proto = getattr(tokenizer, "model_proto", None)
-            if isinstance(proto, (bytes, bytearray)):  # SentencePiece: the file transformers' LlamaTokenizer reads
-                write_bytes_atomic(path / "tokenizer.model", bytes(proto))
-                del meta[TOKENIZER_KEY]
-            elif hasattr(tokenizer, "hf_files"):         # tokenizer.json (+ its config), as it was read
-                for name, text in tokenizer.hf_files().items():
-                    if text is not None:
-                        write_bytes_atomic(path / name, text.encode("utf-8"))
-                del meta[TOKENIZER_KEY]
+            for name, data in tokenizer_files.files.items():
+                write_bytes_atomic(path / name, data)
             write_safetensors_atomic(path / "model.safetensors",
                                      {n: _cast_for_save(t, dname) for n, t in hf.items()}, meta)
             hf_cfg = llama_to_hf_config(cfg, torch_dtype=dname,
@@ -505,6 +506,8 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
                                         eos_id=getattr(tokenizer, "eos_id", None))
             hf_cfg[SAVE_ID_KEY] = meta[SAVE_ID_KEY]
             write_bytes_atomic(path / "config.json", (json.dumps(hf_cfg, indent=2) + "\n").encode("utf-8"))
+            write_bytes_atomic(path / "generation_config.json",
+                               (json.dumps(generation_config_json(tokenizer), indent=2) + "\n").encode("utf-8"))
 
         return write_folder_atomic(path, write_contents, replaced_by_a_model(path))
     raise NpllamaError(f"format={format!r}; use 'hf' (a transformers folder) or 'meta' (one .safetensors file)")

@@ -19,7 +19,9 @@ HFTokenizer        a Hugging Face tokenizer.json, run in pure Python (tokenizer_
 
 Files: char.py, sentencepiece.py, tokenizer_json.py (and regex_safety.py, which checks a
 tokenizer.json's regexes for unbounded backtracking); this module reads any of them from JSON
-or a path. The JSON form embeds a sentencepiece model as base64 so a checkpoint's safetensors metadata
+or a path. hf_export.py writes each as the tokenizer files of a Hugging Face folder
+(tokenizer.json built from a sentencepiece model with spm_proto.py's reading of its settings,
+no protobuf). The JSON form embeds a sentencepiece model as base64 so a checkpoint's safetensors metadata
 (a str -> str map) can carry its tokenizer.
 """
 

@@ -1,4 +1,5 @@
-"""Hugging Face tokenizer.json files for Llama-family BPE tokenizers, read in pure Python.
+"""Hugging Face tokenizer.json files for Llama-family BPE (and sentencepiece unigram) tokenizers,
+read in pure Python.
 
 transformers 5 saves a tokenizer as tokenizer.json + tokenizer_config.json, with no
 tokenizer.model for SentencePieceTokenizer to read. HFTokenizer reads those two files and
@@ -18,7 +19,8 @@ Encoding (tokenizer/mod.rs encode_single_sequence, added_vocabulary.rs extract_a
      character -- the character's own vocabulary id, else with byte_fallback its UTF-8 bytes as
      <0xNN> pieces, else unk_token (consecutive unknowns fused into one when fuse_unk) -- then,
      repeatedly, the adjacent pair whose merge has the lowest rank (its index in "merges";
-     the leftmost on ties) is joined, until no adjacent pair has a merge.
+     the leftmost on ties) is joined, until no adjacent pair has a merge. (A Unigram model
+     instead cuts the word where its piece scores sum highest: _Unigram.)
   5. The post-processor (BOS/EOS) is not applied; see "BOS and EOS" below.
 Decoding (tokenizer/mod.rs decode): ids -> token strings, special added tokens left out (decode
 prints no control tokens: transformers' decode(ids, skip_special_tokens=True)), then the decoder
@@ -26,7 +28,8 @@ chain over the list of strings, joined.
 
 Supported pieces; anything else raises UnsupportedTokenizerError naming it:
   model           BPE: vocab, merges ("a b" strings or [a, b] pairs), byte_fallback, unk_token,
-                  fuse_unk, ignore_merges; dropout null or 0; no subword prefix or word suffix
+                  fuse_unk, ignore_merges; dropout null or 0; no subword prefix or word suffix.
+                  Unigram: vocab ([piece, score] pairs), unk_id, byte_fallback (_Unigram)
   normalizer      null, Sequence, Prepend, Replace (a String, or a Regex in the subset that
                   Python's re reads the same way: see _python_regex), Strip
   pre_tokenizer   null, Sequence, Metaspace (replacement, prepend_scheme always/first/never, split)
@@ -545,6 +548,98 @@ class _BPE:
         return [s for s, a in zip(symbols, alive) if a]
 
 
+class _Unigram:
+    """models/unigram (model.rs encode_optimized and tokenize, which follow sentencepiece's
+    unigram_model.cc): a word is cut into the pieces whose scores sum highest (Viterbi).
+
+    Going through the word's characters in order, every piece that starts at the current
+    position extends the best path that ends there; a path ending at a later position is replaced
+    only by a strictly better one (so on ties the piece starting first wins). A character that is
+    no piece by itself also gets the unknown id, scored min_score - 10. Back from the end, runs of
+    unknown characters are fused into one string; a string that is not a piece becomes its
+    UTF-8 bytes as <0xNN> pieces (byte_fallback) or the unknown id.
+    """
+
+    _UNK_PENALTY = 10.0
+
+    def __init__(self, model: dict):
+        vocab = model.get("vocab")
+        if not isinstance(vocab, list) or not vocab or not all(
+                isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
+                and isinstance(e[1], (int, float)) and not isinstance(e[1], bool) for e in vocab):
+            raise TokenizerJSONError("tokenizer.json: a Unigram model.vocab must be a non-empty list of "
+                                     "[piece, score] pairs")
+        self.vocab, self.id_to_token, self.scores = {}, {}, []
+        for token_id, (piece, score) in enumerate(vocab):
+            if piece in self.vocab:
+                raise TokenizerJSONError(f"tokenizer.json: Unigram piece {piece!r} is listed twice")
+            self.vocab[piece], self.id_to_token[token_id] = token_id, piece
+            self.scores.append(float(score))
+        self.size = len(vocab)
+        self.unk_id = model.get("unk_id")
+        if self.unk_id is not None and (isinstance(self.unk_id, bool) or not isinstance(self.unk_id, int)
+                                        or not 0 <= self.unk_id < self.size):
+            raise TokenizerJSONError(f"tokenizer.json: Unigram unk_id {self.unk_id!r} is not an id of its vocab")
+        self.byte_fallback = bool(model.get("byte_fallback", False))
+        self._unk_score = min(self.scores) - self._UNK_PENALTY
+        self._longest = max(len(piece) for piece in self.vocab)
+        self._cache = {}
+
+    def tokenize(self, word: str) -> list[int]:
+        """Ids of one pre-tokenized word."""
+        ids = self._cache.get(word)
+        if ids is None:
+            if len(self._cache) >= _BPE._CACHE_LIMIT:
+                self._cache.clear()
+            ids = self._cache[word] = [i for s in self._segment(word) for i in self._ids(s)]
+        return ids
+
+    def _segment(self, word: str) -> list[str]:
+        n = len(word)
+        score, start_of, id_of = [0.0] * (n + 1), [None] * (n + 1), [0] * (n + 1)
+        for start in range(n):
+            base, single = score[start], False
+            for end in range(start + 1, min(n, start + self._longest) + 1):
+                token_id = self.vocab.get(word[start:end])
+                if token_id is None:
+                    continue
+                candidate = self.scores[token_id] + base
+                if start_of[end] is None or candidate > score[end]:
+                    score[end], start_of[end], id_of[end] = candidate, start, token_id
+                single = single or end == start + 1
+            if not single:
+                if self.unk_id is None:
+                    raise NpllamaError(f"the text holds {word[start]!r}, which this tokenizer.json's Unigram "
+                                       "vocabulary lacks, and the model has no unk_id")
+                candidate = self._unk_score + base
+                if start_of[start + 1] is None or candidate > score[start + 1]:
+                    score[start + 1], start_of[start + 1], id_of[start + 1] = candidate, start, self.unk_id
+        strings, unknown, end = [], [], n
+        while end > 0:
+            start = start_of[end]
+            if id_of[end] == self.unk_id:
+                unknown.append(word[start:end])
+            else:
+                if unknown:
+                    strings.append("".join(reversed(unknown)))
+                    unknown = []
+                strings.append(self.id_to_token[id_of[end]])
+            end = start
+        if unknown:
+            strings.append("".join(reversed(unknown)))
+        return strings[::-1]
+
+    def _ids(self, string: str) -> list[int]:
+        token_id = self.vocab.get(string)
+        if token_id is not None:
+            return [token_id]
+        if self.byte_fallback:
+            pieces = [f"<0x{b:02X}>" for b in _utf8(string)]
+            if all(p in self.vocab for p in pieces):
+                return [self.vocab[p] for p in pieces]
+        return [self.unk_id]
+
+
 # ---------------------------------------------------------------- decoder
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -792,7 +887,7 @@ def with_bos_eos(ids: list[int], tokenizer, bos: bool, eos: bool, what: str) -> 
 
 
 class HFTokenizer(_HFTokenizerBase):
-    """A Llama-family BPE tokenizer.json (plus its tokenizer_config.json), run in pure Python.
+    """A Llama-family BPE or Unigram tokenizer.json (plus its tokenizer_config.json), run in pure Python.
 
     HFTokenizer(tokenizer_json, tokenizer_config=None): each the file's text (or bytes) or its
     parsed dict. Raises TokenizerJSONError for a malformed file, UnsupportedTokenizerError for
@@ -805,14 +900,15 @@ class HFTokenizer(_HFTokenizerBase):
         model = d.get("model")
         if not isinstance(model, dict):
             raise TokenizerJSONError("tokenizer.json has no 'model' object; it is not a tokenizers file")
-        if model.get("type", "BPE") != "BPE":
-            raise _unsupported(f"model type {model.get('type')!r} (only BPE)")
+        kind = model.get("type", "BPE")
+        if kind not in ("BPE", "Unigram"):
+            raise _unsupported(f"model type {kind!r} (only BPE and Unigram)")
         self._normalizers = _compile_normalizer(d.get("normalizer"))
         self._pre = _compile_pre_tokenizer(d.get("pre_tokenizer"))
-        self._bpe = _BPE(model)
-        self._added = _AddedTokens(d.get("added_tokens", []), self._bpe.vocab, lambda s: self._normalize(s)[0])
+        self._model = _BPE(model) if kind == "BPE" else _Unigram(model)
+        self._added = _AddedTokens(d.get("added_tokens", []), self._model.vocab, lambda s: self._normalize(s)[0])
         self._decoder = _Decoder(d.get("decoder"))
-        self.vocab_size = max([self._bpe.size] + [i + 1 for i in self._added.token_of])
+        self.vocab_size = max([self._model.size] + [i + 1 for i in self._added.token_of])
         self._resolve_specials(self.token_to_id)
 
     @classmethod
@@ -821,7 +917,7 @@ class HFTokenizer(_HFTokenizerBase):
         return cls(*_read_folder(folder))
 
     def token_to_id(self, token: str) -> int | None:
-        return self._added.id_of.get(token, self._bpe.vocab.get(token))
+        return self._added.id_of.get(token, self._model.vocab.get(token))
 
     def _normalize(self, s: str, origins: list[int] | None = None) -> tuple[str, list[int] | None]:
         for f in self._normalizers:
@@ -846,7 +942,7 @@ class HFTokenizer(_HFTokenizerBase):
                     continue
                 at_start = start == 0 and (a if origins is None else origins[a]) == 0
                 for word in self._pre_tokenize(normalized[a:b], at_start):
-                    ids += self._bpe.tokenize(word)
+                    ids += self._model.tokenize(word)
         return ids
 
     def _pre_tokenize(self, piece: str, at_start: bool) -> list[str]:
@@ -866,7 +962,7 @@ class HFTokenizer(_HFTokenizerBase):
         token_id = _check_id(token_id, self.vocab_size)
         token = self._added.token_of.get(token_id)
         if token is None:
-            token = self._bpe.id_to_token.get(token_id)
+            token = self._model.id_to_token.get(token_id)
             if token is None:
                 raise NpllamaError(f"token id {token_id} is not in this tokenizer.json (its vocabulary has gaps)")
         return None if token in self._added.special else token
