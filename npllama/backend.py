@@ -112,7 +112,8 @@ class ReferenceBackend:
         return {name: np.empty(shape, dtype=dtype) for name, shape in config.param_shapes().items()}
 
     def lay_out(self, params: dict, config: LlamaConfig) -> dict:
-        """params as this backend keeps a model's arrays: the reference takes them as they are."""
+        """params as this backend keeps a model's arrays: the reference takes them as they are (a
+        backend that copies them drops each from `params` once copied)."""
         return params
 
     def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype) -> KVCache:

@@ -83,10 +83,14 @@ class Llama:
         self.gradient_checkpointing = False
 
     @classmethod
-    def from_params(cls, config: LlamaConfig, params: dict, dtype=None, backend: str = "engine") -> "Llama":
+    def from_params(cls, config: LlamaConfig, params: dict, dtype=None, backend: str = "engine",
+                    adopt: bool = False) -> "Llama":
         """A model holding the given arrays, converted to dtype (default: their own dtype when it is
-        one npllama holds, else float32). Arrays already of that dtype are used as they are, not
-        copied (a memory-mapped file stays mapped).
+        one npllama holds, else float32). Mapped arrays (a memory-mapped file) and half-held ones are
+        used where they are; arrays in memory are laid out as the backend keeps a model's (the
+        engine's one flat array, which its training pass reads without copies), which copies them
+        unless they are laid out so already. adopt=True hands the dict over (npllama.load does): its
+        arrays are moved out one by one as they are laid out, so the two copies never coexist.
 
         dtype np.float16 or "bfloat16" holds the weights at half precision, half the memory of
         float32 (bfloat16 as its raw bits, uint16 arrays: npllama.storage); such a model computes
@@ -114,14 +118,16 @@ class Llama:
         # arrays in memory are laid out as the backend's new ones (the engine's one flat array, which
         # its training pass needs); mapped or half-held ones stay where they are
         relayout = not is_half(storage) and not any(is_mapped(params[n]) for n in expected)
-        if relayout and backend.name == "engine":
-            copies += memory.array_bytes(config.n_params(), compute.itemsize)
+        if relayout and backend.name == "engine":      # the flat array; handed over, one array at a time
+            copies += memory.array_bytes(max(map(np.size, params.values())) if adopt else config.n_params(),
+                                         compute.itemsize)
         memory.require(copies + memory.rope_bytes(config, compute.itemsize),
                        f"a model held in {storage} with max_seq_len={config.max_seq_len}",
                        "a smaller max_seq_len (npllama.load(..., max_seq_len=N)), or weights held in float16")
-        held = {n: np.ascontiguousarray(to_storage(np.asarray(params[n]), storage)) for n in expected}
+        take = params.pop if adopt else params.__getitem__
+        held = {n: np.ascontiguousarray(to_storage(np.asarray(take(n)), storage)) for n in expected}
         if relayout:
-            held = backend.lay_out(held, config)
+            held = backend.lay_out(held, config)           # empties `held`: each array goes once copied
         model = cls.__new__(cls)
         model._setup(config, held, compute, backend)
         return model

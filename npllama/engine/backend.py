@@ -34,13 +34,15 @@ class EngineBackend:
         return flat_params(config, dtype)
 
     def lay_out(self, params: dict, config: LlamaConfig) -> dict:
-        """params as views of one flat array: themselves when they are already, else copied into a new one."""
+        """params as views of one flat array: themselves when they are already, else copied into a
+        new one, each array dropped from `params` once copied (so, when nothing else holds them,
+        a model's two copies never coexist whole)."""
         layout = FlatLayout(config)
         if layout.base_of(params) is not None:
             return params
         flat = layout.views(layout.new(params["tok_embeddings.weight"].dtype))
         for name, view in flat.items():
-            view[...] = params[name]
+            view[...] = params.pop(name)
         return flat
 
     def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype) -> DecodeCache:

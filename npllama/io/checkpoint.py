@@ -416,7 +416,7 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
     """
     check_backend_name(backend)
     loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len, verify=verify, mmap=mmap)
-    model = Llama.from_params(loaded.config, loaded.params, dtype=dtype, backend=backend)
+    model = Llama.from_params(loaded.config, loaded.params, dtype=dtype, backend=backend, adopt=True)
     model.tokenizer = loaded.tokenizer
     return model
 

@@ -173,8 +173,8 @@ def load_train_checkpoint(path, backend: str = "engine") -> TrainCheckpoint:
     if LORA_KEY in metadata:                       # the base it names, checked, with these adapters
         model = read_adapted(path, tensors, metadata, lambda base, dtype: load(base, dtype, backend=backend))
     else:
-        params = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
-        model = Llama.from_params(config, params, backend=backend)  # checks names and shapes, keeps the dtype
+        params = {n: tensors.pop(n) for n in list(tensors) if not n.startswith(OPTIMIZER_PREFIX)}
+        model = Llama.from_params(config, params, backend=backend, adopt=True)  # checks names and shapes, keeps the dtype
     model.tokenizer = tokenizer
     optimizer_state = dict(state["optimizer"])
     for kind in _MOMENTS:
