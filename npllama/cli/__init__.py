@@ -9,7 +9,10 @@ Exit codes and errors (README "Faults and guarantees"):
          error (disk full, read-only, permission denied, no such file): one line on stderr,
          "npllama COMMAND: error: ...", naming the path and the cause
     2    a usage error (argparse)
-    130  Ctrl-C (training saves first)
+    130  Ctrl-C (SIGINT); 143 SIGTERM; 129 SIGHUP: 128 + the signal's number, one line on stderr
+         (npllama/interrupts.py). Training finishes its step and saves a checkpoint first; a
+         second signal stops it at once, keeping the last checkpoint written
+    135  a memory-mapped weights file was cut short while in use (128 + SIGBUS; io/sigbus.py)
     141  stdout closed by its reader (`npllama generate | head -c 10`): the command ends
          quietly, as a Unix tool killed by SIGPIPE does (128 + 13); training saves first
 Anything else (TypeError, AttributeError, AssertionError, ...) is a bug in npllama and keeps
@@ -24,8 +27,9 @@ import os
 import sys
 
 from ..errors import describe_os_error
+from ..interrupts import exit_code, interrupt_detail, interrupt_signal
 from . import export, generate, gradcheck, plot, train
-from .args import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED
+from .args import EXIT_PIPE_CLOSED
 
 SUBCOMMANDS = [gradcheck, train, generate, plot, export]
 
@@ -71,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         # all ValueErrors; a MemoryError that npllama.memory did not foresee is not a bug either.)
         print(f"npllama {args.command}: error: {e or 'out of memory'}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"npllama {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:
+        sig, detail = interrupt_signal(e), interrupt_detail(e)
+        print(f"npllama {args.command}: interrupted by {sig.name}" + (f"; {detail}" if detail else ""),
+              file=sys.stderr)
+        return exit_code(sig)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import argparse
 import math
 
 EXIT_PIPE_CLOSED = 128 + 13     # stdout's reader went away: what a shell reports for a process killed by SIGPIPE
-EXIT_INTERRUPTED = 128 + 2      # Ctrl-C: what a shell reports for a process killed by SIGINT
+# (a stop signal's code, 128 + its number, is npllama.interrupts.exit_code)
 
 
 def number(kind, low=None, high=None, low_open=False):
