@@ -24,8 +24,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from . import memory
 from .checks import check_int, is_integer
 from .engine import DecodeStep, inference
+from .engine.decode import choose_layout
 from .sampling import check_sampling_args, choose_next
 from .errors import NpllamaError
 
@@ -121,6 +123,10 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
     cfg = model.config
     B = len(prompts)
     V = cfg.vocab_size
+    # weights memory-mapped from a file: checked unchanged (one fstat) before the prefill and
+    # every step (npllama.io sets model._source_check; io/mapped.py)
+    check_source = getattr(model, "_check_source", None) or (lambda: None)
+    check_source()
     step = DecodeStep(model.params, cfg, model.rope, B)
     kv = model.new_kv_cache(B)
     penalise = repetition_penalty is not None and repetition_penalty != 1.0
@@ -180,8 +186,19 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
             context = [c[-keep:] for c in context]
             logits, pos, key_bias = prefill()
             continue
+        check_source()
         logits = step(ids, pos, kv, None if key_bias is None else key_bias[..., :pos + 1])
         pos += 1
+
+
+def _require_memory(model, prompts) -> None:
+    """Refuse, before anything is allocated, a generation whose cache, prefill and decode step
+    cannot fit (npllama.memory.generate_bytes)."""
+    cfg, B = model.config, len(prompts)
+    stacked = sum(a.nbytes for a in model.params.values()) if choose_layout(model.params) == "stacked" else 0
+    memory.require(memory.generate_bytes(cfg, B, max(len(p) for p in prompts), model.dtype.itemsize, stacked),
+                   f"generating from {B} prompt(s) with a cache of {cfg.max_seq_len} positions x {cfg.n_layers} layers",
+                   "fewer prompts at once, shorter prompts, or a smaller max_seq_len")
 
 
 def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
@@ -195,6 +212,7 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, r
     for p in prompts:
         _check_length(model, len(p), max_new_tokens, sliding_window, fill_context)
     rngs = _rngs(seed, len(prompts), temperature)
+    _require_memory(model, prompts)
     return _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p,
                    repetition_penalty, rngs, stop, sliding_window)
 

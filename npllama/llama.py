@@ -48,6 +48,15 @@ class Llama:
         # without copies (engine/layout.py); init_params draws straight into them
         self._setup(config, init_params(config, seed, dtype, out=flat_params(config, dtype)), dtype)
 
+    # For weights memory-mapped from a file, npllama.io sets this to a check (one fstat) that the
+    # file did not change under them (io/mapped.py); forward, loss_and_grads and generation run
+    # it first. None: nothing to check.
+    _source_check = None
+
+    def _check_source(self) -> None:
+        if self._source_check is not None:
+            self._source_check()
+
     def _setup(self, config: LlamaConfig, params: dict, dtype: np.dtype) -> None:
         self.config = config
         self.dtype = dtype
@@ -120,6 +129,7 @@ class Llama:
         Returns: logits (B, T, V) in the model's dtype.
         """
         one_dim = np.ndim(tokens) == 1
+        self._check_source()
         start_pos = check_int("start_pos", start_pos, 0)
         tokens = check_tokens(tokens, self.config, start_pos=start_pos)
         self._require_pass(tokens, workers, grads=False)
@@ -154,6 +164,7 @@ class Llama:
             raise NpllamaError(f"this model holds its weights in {self.storage_dtype}, which npllama keeps for "
                                "inference only (forward and generate compute in float32); training needs float32 "
                                "or float64 weights: load them with npllama.load(path, dtype=np.float32)")
+        self._check_source()
         tokens = check_tokens(tokens, self.config)
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
@@ -205,6 +216,17 @@ class Llama:
         return f"Llama({self.config}, dtype={self.dtype.name}{held}, params={self.n_params():,})"
 
 
+def _require_lora(base: Llama, spec: LoraSpec) -> None:
+    """Refuse, before they are built, adapters that cannot fit (npllama.memory), with the frozen
+    stacks of the base's blocks (a copy of their weights, unless they are one flat array already)."""
+    itemsize = base.dtype.itemsize
+    stacks = 0 if FlatLayout(base.config).base_of(base.params) is not None else \
+        sum(p.size for n, p in base.params.items() if n.startswith("layers.")) * itemsize
+    memory.require(memory.lora_bytes(base.config, spec.rank, spec.targets, itemsize) + stacks,
+                   f"LoRA adapters of rank {spec.rank} on {','.join(spec.targets)} ({base.config.n_layers} layers)",
+                   "choose a smaller rank (--lora-rank)")
+
+
 class LoraLlama:
     """A frozen Llama with LoRA adapters (npllama.lora): the adapters train, the base never changes.
 
@@ -232,6 +254,7 @@ class LoraLlama:
         self.base, self.spec = base, spec
         self.config, self.dtype, self.rope = base.config, base.dtype, base.rope
         self.tokenizer = base.tokenizer
+        _require_lora(base, spec)
         if adapters is None:
             adapters = init_adapters(base.config, spec, seed, base.dtype)
         else:
@@ -245,6 +268,9 @@ class LoraLlama:
         self.base_sha256: str | None = None
         self._frozen = freeze_stacked(base.params, base.config)
 
+    def _check_source(self) -> None:
+        self.base._check_source()
+
     def _blocks(self):
         """The blocks with the adapters, on the frozen stacks (engine/lora.py)."""
         return lora_blocks(self._frozen, self.params, self.config, self.spec)
@@ -252,6 +278,7 @@ class LoraLlama:
     def forward(self, tokens, workers=None):
         """Logits (B, T, V) of the adapted model for tokens (B, T); a 1-D sequence gives (T, V)."""
         one_dim = np.ndim(tokens) == 1
+        self._check_source()
         tokens = check_tokens(tokens, self.config)
         logits = engine.forward(self.base.params, self.config, self.rope, tokens, workers=workers,
                                 blocks=self._blocks())         # no gradient: nothing to recompute
@@ -260,6 +287,7 @@ class LoraLlama:
     def loss_and_grads(self, tokens, targets, workers=None):
         """Mean cross-entropy (ignoring -100) and its gradient for every adapter: keyed and shaped like
         self.params. The base gets none, and no weight-gradient GEMM of it is ever computed."""
+        self._check_source()
         tokens = check_tokens(tokens, self.config)
         targets = check_tokens(targets, self.config, name="targets", allow_ignore=True)
         if targets.shape != tokens.shape:
@@ -274,6 +302,7 @@ class LoraLlama:
         """An ordinary Llama whose adapted weights are W + s B A (the others shared with the base)."""
         model = Llama.from_params(self.config, merge(self.base.params, self.params, self.spec), self.dtype)
         model.tokenizer = self.tokenizer
+        model._source_check = self.base._source_check         # it may share the base's mapped arrays
         return model
 
     def generate(self, prompt_ids, max_new_tokens=32, **sampling):
