@@ -300,6 +300,11 @@ class LoraLlama:
 
     def merged(self) -> Llama:
         """An ordinary Llama whose adapted weights are W + s B A (the others shared with the base)."""
+        adapted = [self.base.params[n.removesuffix(".lora_a") + ".weight"].size for n in self.params
+                   if n.endswith(".lora_a")]     # each a new W + s B A, with B A and its scaling on the way
+        memory.require((sum(adapted) + 2 * max(adapted, default=0)) * self.dtype.itemsize,
+                       f"merging LoRA adapters of rank {self.spec.rank} into {len(adapted)} weights",
+                       "merge on a machine with more memory")
         model = Llama.from_params(self.config, merge(self.base.params, self.params, self.spec), self.dtype)
         model.tokenizer = self.tokenizer
         model._source_check = self.base._source_check         # it may share the base's mapped arrays

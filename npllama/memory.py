@@ -21,7 +21,6 @@ The estimates, in bytes (itemsize: bytes per element of the dtype the arrays are
     generate_bytes     decoding: the KV cache, the decode step's stacked weights, the prefill
     gradcheck_bytes    `npllama gradcheck`: float64 parameters and gradients, the reference pass,
                        the op checks' inputs and their central differences
-    save_bytes         writing a model in another dtype: the converted copies
 (tests/test_memory.py holds these against tracemalloc's peaks, on drawn configs.)
 
 What is free (`available_bytes`): the smallest of
@@ -108,11 +107,13 @@ def pass_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_le
 
 def training_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_len: int, itemsize: int,
                    partial_grads: int) -> int:
-    """A training run: the model (model_bytes), AdamW's two moments and its scratch, and the larger
-    of a step (pass_bytes with the shards' gradients) and an evaluation (a forward of the batch)."""
+    """A training run: the model (model_bytes), AdamW's two moments and its scratch, and the largest
+    of a step (pass_bytes with the shards' gradients), an evaluation (a forward of the batch) and
+    the sample printed after it (generate_bytes of one short prompt, the weights stacked)."""
     step = pass_bytes(config, batch_size, rows_in_flight, seq_len, itemsize, partial_grads)
     evaluation = pass_bytes(config, batch_size, rows_in_flight, seq_len, itemsize)
-    return model_bytes(config, itemsize) + 3 * config.n_params() * itemsize + max(step, evaluation)
+    sample = generate_bytes(config, 1, 8, itemsize, config.n_params() * itemsize)
+    return model_bytes(config, itemsize) + 3 * config.n_params() * itemsize + max(step, evaluation, sample)
 
 
 def lora_bytes(config: LlamaConfig, rank: int, targets, itemsize: int) -> int:
@@ -129,10 +130,14 @@ def generate_bytes(config: LlamaConfig, batch_size: int, prompt_len: int, itemsi
     """Decoding batch_size prompts of up to prompt_len tokens from a model already held: the KV
     cache; stacked_bytes, the weights' copy the decode step keeps (engine.decode: stacked for small
     models, none for large ones); the prefill, which runs one layer at a time (its activations and
-    attention probabilities (B, H, P, P), and its mask); each step's logits and the sampling's
-    copies of them, (B, V) a few times."""
+    attention probabilities (B, H, P, P), its mask, and the layer's weights stacked or upcast);
+    each step's logits and the sampling's copies of them, (B, V) a few times."""
     one_layer = config.replace(n_layers=1)
-    prefill = activation_bytes(one_layer, batch_size, prompt_len, itemsize) + batch_size * prompt_len ** 2
+    layer_weights = (one_layer.n_params() - config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
+                     - config.dim) * itemsize
+    scores = batch_size * config.n_heads * prompt_len ** 2 * itemsize        # one more temporary of them
+    prefill = (activation_bytes(one_layer, batch_size, prompt_len, itemsize) + scores + batch_size * prompt_len ** 2
+               + layer_weights)
     logits = 6 * batch_size * config.vocab_size * 8
     return kv_cache_bytes(config, batch_size, itemsize) + stacked_bytes + prefill + logits
 
@@ -157,12 +162,6 @@ def gradcheck_bytes(config: LlamaConfig, batch_size: int, seq_len: int) -> int:
            (2 * B * T * F, 3 * B * T * F), (B * T * V, 2 * B * T * V)]
     checks = 8 * (sum(i for i, _ in ops) + max(3 * i + 4 * o for i, o in ops))
     return params + max(2 * largest, reference_pass, params + checks)
-
-
-def save_bytes(config: LlamaConfig, itemsize: int) -> int:
-    """Writing a model's parameters as itemsize-byte values: each one converted (the upper bound:
-    none already in that dtype), all of them held until the file is written."""
-    return config.n_params() * itemsize
 
 
 def array_bytes(count: int, itemsize: int) -> int:

@@ -3,7 +3,6 @@
 from ..errors import NpllamaError
 
 
-
 class CheckpointError(NpllamaError):
     """A checkpoint is corrupt, truncated, untrusted, or does not fit its config."""
 
@@ -28,3 +27,7 @@ PICKLE_HINT = (
     "safetensors instead, e.g. `python tools/export_torch.py --hf FOLDER --out OUT_FOLDER`, or in "
     "Python `model.save_pretrained(out_dir, safe_serialization=True)` for a transformers model, or "
     "`safetensors.torch.save_file(state_dict, 'model.safetensors')` with a config.json beside it")
+
+
+class WeightsFileChangedError(CheckpointError):
+    """A file a model's weights are memory-mapped from changed on disk while in use (io/mapped.py)."""
