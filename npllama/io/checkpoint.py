@@ -47,8 +47,8 @@ from .. import memory
 from ..config import LlamaConfig
 from ..errors import MissingFileError, NpllamaError
 from ..llama import Llama, LoraLlama
-from ..storage import (all_finite, compute_dtype_of, is_half, nbytes_per_element, storage_dtype_name, storage_name_of,
-                       to_float, to_storage)
+from ..storage import (all_finite, compute_dtype_of, conversion_scratch_bytes, is_half, nbytes_per_element,
+                       storage_dtype_name, storage_name_of, to_float, to_storage)
 from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer, tokenizer_from_folder
 from .atomic import write_bytes_atomic
@@ -373,10 +373,11 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
         files for those) is then not copied but read in place (the checksum and finiteness checks
         read each page once), its pages shared with the OS page cache, and writing to a
         parameter (training) changes the process's copy only, never the file. A mapped model
-        checks before every forward, training pass and decode step that the file is unchanged
-        (WeightsFileChangedError tells to reload it; a truncation mid-step ends the process with
-        one line and exit code 135, io/sigbus.py): replacing the file atomically, as npllama
-        does, is safe; copying over it or truncating it is not. False reads it.
+        checks that the file is unchanged before every forward, training pass and generate call,
+        and every 8th decode step (WeightsFileChangedError tells to reload it; a truncation
+        mid-step ends the process with one line and exit code 135, io/sigbus.py): replacing the
+        file atomically, as npllama does, is safe; copying over it or truncating it is not.
+        False reads it.
     strict: False turns unexpected extra tensors into a warning instead of an error.
     max_seq_len: override the config's (e.g. Llama 2's 4096 makes large RoPE tables).
     verify: check the CRC-32s npllama records in the files it writes (io/integrity.py); a damaged
@@ -414,12 +415,13 @@ def _cast_for_save(arr: np.ndarray, name: str):
 
 def _require_save(params: dict, path: Path, format: str, dname: str) -> None:
     """Refuse, before converting anything, a save whose copies cannot fit (npllama.memory): every
-    parameter not held as dname is converted, and format "hf" permutes the q and k rows, and all
-    are kept until the file is written."""
-    converted = sum(memory.array_bytes(p.size, nbytes_per_element(dname)) for p in params.values()
-                    if storage_name_of(p) != dname)
+    parameter not held as dname is converted (with the temporaries of one conversion), and format
+    "hf" permutes the q and k rows, and all are kept until the file is written."""
+    changing = [p for p in params.values() if storage_name_of(p) != dname]
+    converted = sum(memory.array_bytes(p.size, nbytes_per_element(dname)) for p in changing)
+    scratch = max((conversion_scratch_bytes(p.size) for p in changing), default=0)
     permuted = sum(p.nbytes for n, p in params.items() if format == "hf" and n.endswith(("wq.weight", "wk.weight")))
-    memory.require(converted + permuted, f"writing {path} as {dname}", "save on a machine with more memory")
+    memory.require(converted + scratch + permuted, f"writing {path} as {dname}", "save on a machine with more memory")
 
 
 def save(model, path, format: str = "hf", dtype="float32") -> Path:
