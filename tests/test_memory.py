@@ -256,25 +256,45 @@ def test_the_address_space_limit_less_the_virtual_size_bounds_what_is_available(
 
 ULIMIT_V = 6_000_000 * 1024          # `ulimit -v 6000000` (KiB)
 
+# `python -m npllama ARGS`, which also writes its peak resident memory (VmHWM, in kB) to the file
+# named by its first argument as it exits. (The kernel's ru_maxrss of a child cannot serve: it
+# counts the pytest process it was forked from, hundreds of MB.)
+WITH_PEAK = textwrap.dedent("""
+    import atexit, runpy, sys
+    out = sys.argv.pop(1)
+    def report():
+        with open("/proc/self/status") as status, open(out, "w") as f:
+            f.write(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+    atexit.register(report)
+    sys.argv[0] = "npllama"
+    runpy.run_module("npllama", run_name="__main__", alter_sys=True)
+""")
 
-def limited(argv, timeout=120):
-    """Run argv under `ulimit -v 6000000`: (exit code, stdout, stderr, CPU seconds, peak RSS in MiB)."""
+
+def limited(args, peak_file, timeout=120):
+    """`python -m npllama *args` under `ulimit -v 6000000`: (exit code, stderr, CPU seconds, peak RSS in MiB)."""
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (ULIMIT_V, ULIMIT_V))
 
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs /proc/self/status (VmHWM) to measure a command's peak memory")
+    proc = subprocess.Popen([sys.executable, "-c", WITH_PEAK, str(peak_file), *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=limit)
     try:
-        out, err = proc.stdout.read(), proc.stderr.read()   # small outputs: no deadlock between the pipes
-        _, status, usage = os.wait4(proc.pid, 0)
+        err = proc.stderr.read()
+        _, status, usage = os.wait4(proc.pid, 0)            # this child's own CPU time
     finally:
-        if proc.returncode is None and proc.poll() is None:
+        if proc.poll() is None:
             proc.kill()
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, out, err, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+    return proc.returncode, err, usage.ru_utime + usage.ru_stime, int(peak_file.read_text()) / 1024
 
 
 def test_the_python_api_raises_memory_limit_error_for_what_cannot_fit():
     """The issue's four: each was numpy's _ArrayMemoryError after seconds and GBs (under ulimit -v 6000000)."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (ULIMIT_V, ULIMIT_V))
+
     probe = textwrap.dedent("""
         import npllama, sys
         from npllama import Llama, LlamaConfig
@@ -287,13 +307,15 @@ def test_the_python_api_raises_memory_limit_error_for_what_cannot_fit():
                 print("fitted")
             except MemoryError as e:
                 print(type(e).__name__, "|", e)
+        print(next(line for line in open("/proc/self/status") if line.startswith("VmHWM:")).split()[1])
     """)
-    code, out, err, cpu, peak = limited([sys.executable, "-c", probe, str(data_file("stories260K.bin"))])
-    assert code == 0, err
-    lines = out.splitlines()
-    assert len(lines) == 4 and all(line.startswith("MemoryLimitError | ") for line in lines), out
-    assert all("needs" in line and "GiB available (the address-space limit" in line for line in lines), out
-    assert cpu < 5 and peak < 300, (cpu, peak)
+    run = subprocess.run([sys.executable, "-c", probe, str(data_file("stories260K.bin"))], capture_output=True,
+                         text=True, timeout=120, preexec_fn=limit)
+    assert run.returncode == 0, run.stderr
+    *lines, peak_kb = run.stdout.splitlines()
+    assert len(lines) == 4 and all(line.startswith("MemoryLimitError | ") for line in lines), run.stdout
+    assert all("needs" in line and "GiB available (the address-space limit" in line for line in lines), run.stdout
+    assert int(peak_kb) < 300 * 1024, peak_kb
 
 
 def _long_context_file(tmp_path):
@@ -332,10 +354,10 @@ def test_every_command_refuses_absurd_sizes_in_one_line_quickly_and_small(tmp_pa
         argv = [a.format(**paths, out=tmp_path / f"out{i}.safetensors") for a in argv]
         if argv[0] == "train":
             argv += ["--data", str(text_file), "--out-dir", str(tmp_path / f"run{i}")]
-        runs[name] = [sys.executable, "-m", "npllama", *argv]
+        runs[name] = (argv, tmp_path / f"peak{i}")
     with ThreadPoolExecutor(4) as pool:
-        results = dict(zip(runs, pool.map(limited, runs.values())))
-    for name, (code, _, err, cpu, peak) in results.items():
+        results = dict(zip(runs, pool.map(lambda run: limited(*run), runs.values())))
+    for name, (code, err, cpu, peak) in results.items():
         command = name.split()[0].rstrip(",")
         assert code == 1, (name, err)
         assert err.count("\n") == 1 and err.startswith(f"npllama {command}: error: "), (name, err)
@@ -459,3 +481,14 @@ def test_saving_s_estimate_holds_against_its_peak(shape, dtype, fmt):
             memory.require = real
         _, peak = peak_of(lambda: npllama.save(model, out, format=fmt, dtype=dtype))
     assert within(peak, seen[0]), (peak, seen[0])
+
+
+@pytest.mark.parametrize("error, needle", [(MemoryError(), "out of memory"), (npllama.NpllamaError(), "NpllamaError"),
+                                           (OSError(), "OSError")])
+def test_every_error_line_has_a_message(error, needle, monkeypatch, capsys):
+    """`--grad-accum 100000000` once ended in "npllama train: error: " and nothing after it."""
+    from .test_faults import _patched_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _patched_parser(error))
+    assert cli.main(["generate"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"npllama generate: error: {needle}")

@@ -68,12 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         _discard_stdout()
         return EXIT_PIPE_CLOSED
     except OSError as e:
-        print(f"npllama {args.command}: error: {describe_os_error(e)}", file=sys.stderr)
+        print(f"npllama {args.command}: error: {describe_os_error(e) or type(e).__name__}", file=sys.stderr)
         return 1
     except (ValueError, MemoryError) as e:
         # Bad input is the user's to fix: one line naming it, not a traceback. (npllama's errors are
         # all ValueErrors; a MemoryError that npllama.memory did not foresee is not a bug either.)
-        print(f"npllama {args.command}: error: {e or 'out of memory'}", file=sys.stderr)
+        message = str(e) or ("out of memory (an allocation failed that npllama did not foresee)"
+                              if isinstance(e, MemoryError) else type(e).__name__)
+        print(f"npllama {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         sig, detail = interrupt_signal(e), interrupt_detail(e)
