@@ -253,3 +253,22 @@ def test_a_generate_of_stories260k_reads_it(capsys):
     """The default: a 1 MB file is read, and generation does not depend on the file afterwards."""
     model = npllama.load(data_file("stories260K.bin"))
     assert not any_mapped(model) and model._source_check is None
+
+
+@pytest.mark.parametrize("name", ["a", "bin"])
+def test_a_file_that_shrinks_while_it_is_opened_is_an_error(files, name, monkeypatch):
+    """Its header was read at one size, its data held at a smaller one (a writer truncating it)."""
+    from npllama.io import llama2c, safetensors
+
+    real = mapped.file_buffer
+
+    def shrunk(f, path, as_mapped):
+        buffer = real(f, path, as_mapped)
+        smaller = mapped.ReadBuffer(-1, len(buffer) // 2)
+        smaller[:] = buffer[:len(smaller)]
+        return smaller
+
+    monkeypatch.setattr(safetensors, "file_buffer", shrunk)
+    monkeypatch.setattr(llama2c, "file_buffer", shrunk)
+    with pytest.raises(CheckpointError, match="while it was opened.*being written or truncated"):
+        npllama.load(files[name])

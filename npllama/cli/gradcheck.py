@@ -98,7 +98,8 @@ def estimate_seconds(cfg: LlamaConfig, B: int, T: int, entries: int, speed: Mach
     per_layer = max(two - one, 0.0)
     forward = (max(one - per_layer, 0.0) + cfg.n_layers * per_layer
                + speed.seconds(10 * memory.activation_bytes(cfg, B, T, 1), pass_macs(cfg, B, T)))
-    passes = 2 * entries * len(cfg.param_shapes()) if cfg.n_layers < 10_000 else 2 * entries * (9 * cfg.n_layers + 3)
+    tensors = 9 * cfg.n_layers + 2 + (0 if cfg.tie_embeddings else 1)      # len(cfg.param_shapes()), at once
+    passes = 2 * entries * tensors
     return 3 * forward + op_seconds + passes * forward, passes + 3, op_evaluations
 
 

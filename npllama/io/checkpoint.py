@@ -25,8 +25,9 @@ un-permuted into Meta's RoPE layout (io/hf.py). Every tensor is held in the dtyp
 (float32, float64, or float16 / bfloat16 for inference: npllama.storage); one already stored so
 stays a view of the file, read into memory or, for a file large against the memory available or
 when asked (mmap=True), mapped and then watched for changes (io/mapped.py). Tensors that are
-derived data or optimizer state are skipped knowingly, never silently: HF `rotary_emb.inv_freq` and Meta `rope.freqs` (checked against
-rope_theta first), and the optimizer moments of a training checkpoint (io/metadata.py).
+derived data or optimizer state are skipped knowingly, never silently: HF `rotary_emb.inv_freq`
+and Meta `rope.freqs` (checked against rope_theta first), and the optimizer moments of a
+training checkpoint (io/metadata.py).
 Every file save writes goes through io/atomic.py: replaced whole or left untouched. Every
 safetensors file it writes records CRC-32s of its header and tensors, which load verifies
 (io/integrity.py); memory is checked against the sizes in a header before tensors are read

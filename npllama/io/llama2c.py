@@ -118,6 +118,9 @@ def read_llama2c(path: Path, mapped: bool = True) -> tuple[LlamaConfig, dict[str
             "not a float32 llama2.c checkpoint")
     with open(path, "rb") as f:   # mapped copy-on-write or read, as io/safetensors.py map_safetensors explains
         buffer = file_buffer(f, path, mapped)
+    if len(buffer) != expected:
+        raise CheckpointError(f"{path}: the file changed size while it was opened ({size:,} -> {len(buffer):,} bytes); "
+                              "it is being written or truncated: wait for it, then load again")
     layout = llama2c_layout(cfg, version)
     data = np.frombuffer(buffer, dtype="<f4", offset=offset)
     if not data.dtype.isnative:

@@ -209,6 +209,7 @@ def map_safetensors(path, verify: bool = True, mapped: bool = True) -> tuple[dic
         entries, metadata, data_start = _read_header(f, path)
         verifier = _verifier(path, entries, metadata, verify)
         buffer = file_buffer(f, path, mapped)
+    _require_whole(path, len(buffer), data_start + max((e for *_, e in entries), default=0))
     tensors, codes = {}, {}
     for name, st, shape, begin, _ in entries:
         dt = _ST_DTYPES[st]
@@ -221,6 +222,13 @@ def map_safetensors(path, verify: bool = True, mapped: bool = True) -> tuple[dic
             arr = arr.astype(dt.newbyteorder("="))
         tensors[name], codes[name] = arr, st
     return tensors, _without_checksum(metadata), codes
+
+
+def _require_whole(path: Path, held: int, needed: int) -> None:
+    """Refuse a file that shrank between reading its header and holding its data."""
+    if held < needed:
+        raise CheckpointError(f"{path}: the file shrank to {held:,} bytes while it was opened, below the {needed:,} "
+                              "its header describes; it is being written or truncated: wait for it, then load again")
 
 
 def release_pages(arr: np.ndarray) -> None:

@@ -21,10 +21,13 @@ the same parameters, bit for bit, as 2N steps straight.
 
 Faults (README "Faults and guarantees"): the run holds OUT_DIR's lock (train/lock.py) from
 start to end and removes the temporary files a killed run left there; it refuses, before
-allocating, a model and batch that cannot fit in memory (npllama.memory); it stops at the
+allocating, a model and batch that cannot fit in memory (npllama.memory), and settings whose
+steps or evaluations could not end within a day (npllama.work); it stops at the
 first sign of divergence (train/divergence.py) with the last healthy checkpoint kept; a write
-that fails (disk full, read-only) stops it with the last checkpoint intact; and when its
-output goes away (`npllama train | head`) it stops and saves as on Ctrl-C.
+that fails (disk full, read-only) stops it with the last checkpoint intact; SIGINT (Ctrl-C),
+SIGTERM or SIGHUP stop it at the next step boundary with a checkpoint, a second one at once
+(npllama/interrupts.py StopRequest, which the loop polls); and when its output goes away
+(`npllama train | head`) it stops and saves as on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -66,8 +69,9 @@ def train_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: fl
     """One optimizer step over the micro-batches [(x, y), ...]; returns (loss, grad_norm).
 
     batches: any iterable, drawn one at a time (a generator keeps one micro-batch in memory,
-    however large --grad-accum is). The gradients of the micro-batches are averaged (each is already a mean over its B*T
-    targets, so the average is the mean over all of them), clipped, and applied. When the
+    however large --grad-accum is). The gradients of the micro-batches are averaged (each is
+    already a mean over its B*T targets, so the average is the mean over all of them), clipped,
+    and applied. When the
     loss or the gradient norm is not finite, nothing is updated and that value is returned:
     the caller decides to stop.
     """
@@ -490,43 +494,48 @@ class Loop:
         """Train until max_steps, the time budget or a stop signal; evaluate and checkpoint on the way.
 
         Returns the step reached and why it stopped ("max_steps", "time_budget", "interrupted": a
-        SIGINT, SIGTERM or SIGHUP, recorded in stop.signal; "output_closed": the reader of the
-        console went away). The first signal ends the run at the next step boundary, after an
+        SIGINT, SIGTERM or SIGHUP, then in self.signal; "output_closed": the reader of the console
+        went away). stop: what the loop polls between steps (default: a StopRequest of this
+        process's signals). The first signal ends the run at the next step boundary, after an
         evaluation and a checkpoint; a second raises KeyboardInterrupt at once, its message saying
         which checkpoint is kept (an atomic write it interrupts leaves no partial file).
         """
-        run, cfg = self.run, self.run.cfg
-        step, stopped = run.start_step, "max_steps"
         with stop or StopRequest() as stop:
             try:
-                while True:
-                    if step % cfg.eval_interval == 0 or step >= cfg.max_steps:
-                        if not (cfg.resume and step == run.start_step):      # the checkpoint already holds this
-                            self.evaluate(step)
-                            if step > run.start_step:
-                                self.checkpoint(step)
-                    if step >= cfg.max_steps:
-                        break
-                    if cfg.time_budget and time.perf_counter() - self.run_start >= cfg.time_budget:
-                        stopped = "time_budget"
-                        break
-                    if stop.poll() or self.console.closed:
-                        stopped = "interrupted" if stop.requested else "output_closed"
-                        break
-                    self.train_one_step(step)
-                    step += 1
-                if stopped != "max_steps" and run.saved_step != step:
-                    why = {"time_budget": "time budget reached", "output_closed": "output closed"}.get(
-                        stopped, stop.signal.name if stop.signal else "")
-                    self.console.log(f"stopping at step {step} ({why})")
-                    self.evaluate(step)
-                    self.checkpoint(step)
+                step, stopped = self._train(stop)
             except KeyboardInterrupt as e:
                 if not stop.requested:
                     raise
                 raise KeyboardInterrupt(*(e.args or (stop.signal,))[:1],
                                         f"a second signal stopped training at once; {self._kept()}") from None
         self.signal = stop.signal
+        return step, stopped
+
+    def _train(self, stop: StopRequest) -> tuple[int, str]:
+        run, cfg = self.run, self.run.cfg
+        step, stopped = run.start_step, "max_steps"
+        while True:
+            if step % cfg.eval_interval == 0 or step >= cfg.max_steps:
+                if not (cfg.resume and step == run.start_step):      # the checkpoint already holds this
+                    self.evaluate(step)
+                    if step > run.start_step:
+                        self.checkpoint(step)
+            if step >= cfg.max_steps:
+                break
+            if cfg.time_budget and time.perf_counter() - self.run_start >= cfg.time_budget:
+                stopped = "time_budget"
+                break
+            if stop.poll() or self.console.closed:
+                stopped = "interrupted" if stop.requested else "output_closed"
+                break
+            self.train_one_step(step)
+            step += 1
+        if stopped != "max_steps" and run.saved_step != step:
+            why = {"time_budget": "time budget reached", "output_closed": "output closed"}.get(
+                stopped, stop.signal.name if stop.signal else "")
+            self.console.log(f"stopping at step {step} ({why})")
+            self.evaluate(step)
+            self.checkpoint(step)
         return step, stopped
 
 
