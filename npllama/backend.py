@@ -143,6 +143,12 @@ class ReferenceBackend:
     def decoder(self, params, config, rope, batch_size: int) -> Decoder:
         return ReferenceDecoder(float_params(params, rope[0].dtype), config, rope, batch_size)
 
+    def decoder_copy_bytes(self, params: dict, dtype) -> int:
+        """The bytes a decoder copies of the weights: their float copy when they are held at half precision."""
+        if float_params(params, dtype) is params:
+            return 0
+        return sum(a.size for a in params.values()) * np.dtype(dtype).itemsize
+
 
 def check_backend_name(name) -> str:
     """name if it is one of npllama's backends, else NpllamaError naming them."""

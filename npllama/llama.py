@@ -23,6 +23,7 @@ from .backend import Decoder, LoraAdapters, ReferenceBackend, check_backend_name
 from .checks import check_dtype, check_int
 from .config import LlamaConfig
 from .engine import EngineBackend
+from .engine.layout import FlatLayout
 from .errors import NpllamaError
 from .kvcache import KVCache
 from .lora import LoraSpec, adapter_shapes, check_adapters, init_adapters, merge
@@ -70,6 +71,15 @@ class Llama:
         # reads and writes without copies (engine/layout.py); the init draws straight into them
         params = fill_init_params(backend.new_params(config, dtype), config, seed)
         self._setup(config, params, dtype, backend)
+
+    # For weights memory-mapped from a file, npllama.io sets this to a check (one fstat) that the
+    # file did not change under them (io/mapped.py); forward, loss_and_grads and generation run
+    # it first. None: nothing to check.
+    _source_check = None
+
+    def _check_source(self) -> None:
+        if self._source_check is not None:
+            self._source_check()
 
     def _setup(self, config: LlamaConfig, params: dict, dtype: np.dtype, backend) -> None:
         self.config = config
@@ -170,6 +180,7 @@ class Llama:
         Returns: logits (B, T, V) in the model's dtype.
         """
         one_dim = np.ndim(tokens) == 1
+        self._check_source()
         start_pos = check_int("start_pos", start_pos, 0)
         tokens = check_tokens(tokens, self.config, start_pos=start_pos)
         self._require_pass(tokens, workers, grads=False)
@@ -203,6 +214,7 @@ class Llama:
             raise NpllamaError(f"this model holds its weights in {self.storage_dtype}, which npllama keeps for "
                                "inference only (forward and generate compute in float32); training needs float32 "
                                "or float64 weights: load them with npllama.load(path, dtype=np.float32)")
+        self._check_source()
         tokens, targets = checked_pair(tokens, targets, self.config)
         self._require_pass(tokens, workers, grads=True)
         return self.backend.loss_and_grads(self.params, self.config, self.rope, tokens, targets,
@@ -260,6 +272,17 @@ def pass_footprint(backend, batch_size: int, seq_len: int, dim: int, workers=Non
     return batch_size, 1
 
 
+def _require_lora(base: Llama, spec: LoraSpec) -> None:
+    """Refuse, before they are built, adapters that cannot fit (npllama.memory), with the frozen
+    stacks of the base's blocks (a copy of their weights, unless they are one flat array already)."""
+    itemsize = base.dtype.itemsize
+    stacks = 0 if base.backend.name != "engine" or FlatLayout(base.config).base_of(base.params) is not None else \
+        sum(p.size for n, p in base.params.items() if n.startswith("layers.")) * itemsize
+    memory.require(memory.lora_bytes(base.config, spec.rank, spec.targets, itemsize) + stacks,
+                   f"LoRA adapters of rank {spec.rank} on {','.join(spec.targets)} ({base.config.n_layers} layers)",
+                   "choose a smaller rank (--lora-rank)")
+
+
 class LoraLlama:
     """A frozen Llama with LoRA adapters (npllama.lora): the adapters train, the base never changes.
 
@@ -286,6 +309,7 @@ class LoraLlama:
         self.base, self.spec = base, spec
         self.config, self.dtype, self.rope, self.backend = base.config, base.dtype, base.rope, base.backend
         self.tokenizer = base.tokenizer
+        _require_lora(base, spec)
         if adapters is None:
             adapters = init_adapters(base.config, spec, seed, base.dtype)
         else:
@@ -301,9 +325,13 @@ class LoraLlama:
     def _adapters(self) -> LoraAdapters:
         return LoraAdapters(self.params, self.spec)
 
+    def _check_source(self) -> None:
+        self.base._check_source()
+
     def forward(self, tokens, workers=None):
         """Logits (B, T, V) of the adapted model for tokens (B, T); a 1-D sequence gives (T, V)."""
         one_dim = np.ndim(tokens) == 1
+        self._check_source()
         tokens = check_tokens(tokens, self.config)
         logits = self.backend.forward(self.base.params, self.config, self.rope, tokens, lora=self._adapters(),
                                       workers=workers)
@@ -312,6 +340,7 @@ class LoraLlama:
     def loss_and_grads(self, tokens, targets, workers=None):
         """Mean cross-entropy (ignoring -100) and its gradient for every adapter: keyed and shaped like
         self.params. The base gets none (on the engine no weight-gradient GEMM of it is formed)."""
+        self._check_source()
         tokens, targets = checked_pair(tokens, targets, self.config)
         return self.backend.loss_and_grads(self.base.params, self.config, self.rope, tokens, targets,
                                            lora=self._adapters(), checkpointing=self.gradient_checkpointing,
@@ -323,9 +352,15 @@ class LoraLlama:
 
     def merged(self) -> Llama:
         """An ordinary Llama whose adapted weights are W + s B A (the others shared with the base)."""
+        adapted = [self.base.params[n.removesuffix(".lora_a") + ".weight"].size for n in self.params
+                   if n.endswith(".lora_a")]     # each a new W + s B A, with B A and its scaling on the way
+        memory.require((sum(adapted) + 2 * max(adapted, default=0)) * self.dtype.itemsize,
+                       f"merging LoRA adapters of rank {self.spec.rank} into {len(adapted)} weights",
+                       "merge on a machine with more memory")
         model = Llama.from_params(self.config, merge(self.base.params, self.params, self.spec), self.dtype,
                                   backend=self.backend.name)
         model.tokenizer = self.tokenizer
+        model._source_check = self.base._source_check         # it may share the base's mapped arrays
         return model
 
     def generate(self, prompt_ids, max_new_tokens=32, **sampling):

@@ -17,17 +17,27 @@ The estimates, in bytes (itemsize: bytes per element of the dtype the arrays are
                        processed at once (npllama.engine.pass_footprint), the engine's stacked
                        weights, the shards' gradients until summed, the logits
     training_bytes     a run: the model, both AdamW moments and its scratch, and one step
-(tests/test_memory.py holds pass_bytes and training_bytes against tracemalloc's peaks.)
+    lora_bytes         LoRA adapters, A (r, in) and B (out, r) for each adapted matrix
+    generate_bytes     decoding: the KV cache, the decode step's stacked weights, the prefill
+    gradcheck_bytes    `npllama gradcheck`: float64 parameters and gradients, the reference pass,
+                       the op checks' inputs and their central differences
+(tests/test_memory.py holds these against tracemalloc's peaks, on drawn configs.)
 
-What is free (`available_bytes`): /proc/meminfo's MemAvailable, lowered to the cgroup's limit
-minus its usage when the process runs under one (cgroup v2 memory.max, or v1
-memory.limit_in_bytes), else the free pages sysconf reports; None where none of these exist,
-and then nothing is refused.
+What is free (`available_bytes`): the smallest of
+    /proc/meminfo's MemAvailable (else the free pages sysconf reports),
+    the cgroup's memory limit minus its usage, when the process runs under one (cgroup v2
+        memory.max, or v1 memory.limit_in_bytes, this cgroup's or an ancestor's),
+    the address-space limit (RLIMIT_AS, `ulimit -v`) minus the process's virtual size (VmSize,
+        /proc/self/statm: every mapping counts, not only what is resident, and NumPy and OpenBLAS
+        reserve hundreds of MB at import), less THREAD_RESERVE for each CPU (the stack and malloc
+        arena a worker thread maps when it starts);
+None where none of these exist, and then nothing is refused.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 from .config import LlamaConfig
@@ -38,6 +48,9 @@ INIT_CHUNK_BYTES = 8 << 13    # the float64 draws init_params holds at once (mod
 # Below this an estimate is not checked: reading /proc costs ~20 us, more than a decode step's
 # worth of small allocations is ever at stake.
 CHECK_FLOOR = 64 << 20
+# Address space a worker thread maps when it starts: an 8 MiB stack and a 64 MiB glibc malloc arena
+# (measured: a training step on 2 threads grew the virtual size by 212 MiB).
+THREAD_RESERVE = 80 << 20
 
 
 # ----------------------------------------------------------------------------- estimates
@@ -104,11 +117,64 @@ def pass_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_le
 
 def training_bytes(config: LlamaConfig, batch_size: int, rows_in_flight: int, seq_len: int, itemsize: int,
                    partial_grads: int) -> int:
-    """A training run: the model (model_bytes), AdamW's two moments and its scratch, and the larger
-    of a step (pass_bytes with the shards' gradients) and an evaluation (a forward of the batch)."""
+    """A training run: the model (model_bytes), AdamW's two moments and its scratch, and the largest
+    of a step (pass_bytes with the shards' gradients), an evaluation (a forward of the batch) and
+    the sample printed after it (generate_bytes of one short prompt, the weights stacked)."""
     step = pass_bytes(config, batch_size, rows_in_flight, seq_len, itemsize, partial_grads)
     evaluation = pass_bytes(config, batch_size, rows_in_flight, seq_len, itemsize)
-    return model_bytes(config, itemsize) + 3 * config.n_params() * itemsize + max(step, evaluation)
+    sample = generate_bytes(config, 1, 8, itemsize, config.n_params() * itemsize)
+    return model_bytes(config, itemsize) + 3 * config.n_params() * itemsize + max(step, evaluation, sample)
+
+
+def lora_bytes(config: LlamaConfig, rank: int, targets, itemsize: int) -> int:
+    """LoRA adapters of `rank` on the projections `targets` (e.g. ("wq", "wv")) of every layer:
+    A (r, in) and B (out, r) each, and the float64 draw of one A while it is initialised."""
+    shapes = {name.rsplit(".", 2)[-2]: shape for name, shape in config.param_shapes().items()
+              if name.startswith("layers.0.") and name.endswith("weight") and len(shape) == 2}
+    per_layer = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
+    largest_a = max((rank * shapes[t][1] for t in targets), default=0)
+    return config.n_layers * per_layer * itemsize + 8 * largest_a
+
+
+def generate_bytes(config: LlamaConfig, batch_size: int, prompt_len: int, itemsize: int, stacked_bytes: int) -> int:
+    """Decoding batch_size prompts of up to prompt_len tokens from a model already held: the KV
+    cache; stacked_bytes, the weights' copy the decode step keeps (engine.decode: stacked for small
+    models, none for large ones); the prefill, which runs one layer at a time (its activations and
+    attention probabilities (B, H, P, P), its mask, and the layer's weights stacked or upcast);
+    each step's logits and the sampling's copies of them, (B, V) a few times."""
+    one_layer = config.replace(n_layers=1)
+    layer_weights = (one_layer.n_params() - config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
+                     - config.dim) * itemsize
+    scores = batch_size * config.n_heads * prompt_len ** 2 * itemsize        # one more temporary of them
+    prefill = (activation_bytes(one_layer, batch_size, prompt_len, itemsize) + scores + batch_size * prompt_len ** 2
+               + layer_weights)
+    logits = 6 * batch_size * config.vocab_size * 8
+    return kv_cache_bytes(config, batch_size, itemsize) + stacked_bytes + prefill + logits
+
+
+def gradcheck_bytes(config: LlamaConfig, batch_size: int, seq_len: int) -> int:
+    """`npllama gradcheck` (cli/gradcheck.py), all in float64: the parameters and their gradients,
+    kept from the first pass to the end, with the larger of
+      - the perturbation of the largest weight (two temporaries of its size),
+      - the reference forward and backward (its caches, the logits, probabilities and their
+        gradient (B, T, V), the gradients it returns),
+      - the op checks: every op's inputs at once, and for the largest check its copies of them,
+        the analytic and numerical gradients, the outputs and caches of its forward calls;
+    and, before all of it, the speed probe of its time estimate (npllama.work.MachineSpeed.measure:
+    two float64 arrays of 2**16 elements, two of 128 x 128).
+    """
+    B, T, D, F, V = batch_size, seq_len, config.dim, config.hidden_dim, config.vocab_size
+    H, KVH, Dh = config.n_heads, config.n_kv_heads, config.head_dim
+    params = 8 * config.n_params()
+    largest = 8 * max(V * D, F * D, H * Dh * D)
+    reference_pass = activation_bytes(config, B, T, 8) + 8 * 4 * B * T * V + params
+    # (inputs, outputs with caches) of each op check, in elements
+    ops = [(V * D, B * T * D), (B * T * D + D, 2 * B * T * D), (B * T * D + F * D, B * T * F + B * T * D),
+           (B * H * T * Dh, B * H * T * Dh), ((H + 2 * KVH) * B * T * Dh, 3 * B * H * T * Dh + B * H * T * T),
+           (2 * B * T * F, 3 * B * T * F), (B * T * V, 2 * B * T * V)]
+    checks = 8 * (sum(i for i, _ in ops) + max(3 * i + 4 * o for i, o in ops))
+    speed_probe = 8 * (2 * (1 << 16) + 2 * 128 * 128)
+    return max(speed_probe, params + max(2 * largest, reference_pass, params + checks))
 
 
 def array_bytes(count: int, itemsize: int) -> int:
@@ -169,11 +235,31 @@ def _sysconf_available() -> int | None:
         return None
 
 
+def _virtual_size(statm: Path = Path("/proc/self/statm")) -> int | None:
+    """The process's virtual size (VmSize) in bytes: the first field of statm, in pages."""
+    try:
+        return int(statm.read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _address_space_headroom(statm: Path = Path("/proc/self/statm")) -> int | None:
+    """RLIMIT_AS (soft) minus the virtual size and the threads' reserve; None without a limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    used = _virtual_size(statm)
+    if used is None:
+        return None
+    return max(0, soft - used - THREAD_RESERVE * (os.cpu_count() or 1))
+
+
 def available_bytes() -> int | None:
     """Bytes this process may still allocate (see the module docstring), or None when unknown."""
-    figures = [f for f in (_meminfo_available(), _cgroup_headroom()) if f is not None]
-    if not figures:
-        figures = [f for f in (_sysconf_available(),) if f is not None]
+    memory = _meminfo_available()
+    if memory is None:
+        memory = _sysconf_available()
+    figures = [f for f in (memory, _cgroup_headroom(), _address_space_headroom()) if f is not None]
     return min(figures) if figures else None
 
 
@@ -190,5 +276,6 @@ def require(nbytes: int, what: str, hint: str = "") -> None:
         return
     available = available_bytes()
     if available is not None and nbytes > available:
-        raise MemoryLimitError(f"{what} needs {gib(nbytes)} GiB, {gib(available)} GiB available"
+        bound = " (the address-space limit, ulimit -v)" if available == _address_space_headroom() else ""
+        raise MemoryLimitError(f"{what} needs {gib(nbytes)} GiB, {gib(available)} GiB available{bound}"
                                + (f"; {hint}" if hint else ""))

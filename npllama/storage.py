@@ -95,6 +95,12 @@ def to_storage(arr: np.ndarray, storage: str) -> np.ndarray:
         return arr.astype(storage, copy=False)
 
 
+def conversion_scratch_bytes(n_elements: int) -> int:
+    """Temporaries of turning an array of n_elements into another storage dtype: float32_to_bfloat16
+    works a chunk at a time with up to six uint32 / float32 arrays of a chunk alive at once."""
+    return 6 * 4 * min(n_elements, _CHUNK)
+
+
 def all_finite(arr: np.ndarray) -> bool:
     """True when no element of a held weight is NaN or infinite (bfloat16: exponent bits not all ones).
 

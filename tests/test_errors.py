@@ -18,7 +18,8 @@ from npllama.errors import MemoryLimitError, MissingFileError, NpllamaError
 PACKAGE = Path(npllama.__file__).parent
 # Built-in exceptions npllama must not raise bare: each has an NpllamaError subclass to use instead.
 BARE = {"ValueError", "FileNotFoundError", "KeyError", "TypeError", "RuntimeError", "OSError", "IOError",
-        "IndexError", "Exception", "MemoryError", "LookupError", "NotImplementedError"}
+        "IndexError", "Exception", "MemoryError", "LookupError", "NotImplementedError", "FileExistsError",
+        "IsADirectoryError", "NotADirectoryError", "PermissionError"}
 # gradcheck.check_gradients reports a failed comparison as a test failure would (its whole purpose).
 ALLOWED = {("gradcheck.py", "AssertionError")}
 

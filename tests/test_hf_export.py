@@ -22,7 +22,7 @@ from npllama.errors import NpllamaError
 from npllama.tokenizers import CharTokenizer, SentencePieceTokenizer, train_sentencepiece
 from npllama.tokenizers.hf_export import (InexactTokenizerError, generation_config_json, hf_tokenizer_files,
                                           sentencepiece_tokenizer_json)
-from npllama.tokenizers.spm_proto import BPE, UNIGRAM, read_spec
+from npllama.tokenizers.spm_proto import BPE, read_spec
 from npllama.tokenizers.tokenizer_json import HFTokenizer
 from .conftest import data_file
 

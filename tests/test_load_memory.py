@@ -1,13 +1,12 @@
 """Loading without copies, and weights held at half precision.
 
-Memory-mapped loads (the default) give the very parameters a copying load gives, bit for bit,
+Memory-mapped loads (mmap=True) give the very parameters a reading load gives, bit for bit,
 in every format; writing to a mapped parameter (an optimizer step) never reaches the file;
 weights held in float16 / bfloat16 are the file's own bits or the correctly rounded values,
 compute in float32, save and load back, and refuse training with a clear message.
 """
 
 import hashlib
-import mmap
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import npllama
 from npllama import cli
 from npllama.io import checkpoint as ck
 from npllama.io.errors import CheckpointError
+from npllama.io.mapped import is_file_mapped
 from npllama.io.safetensors import read_safetensors_header
 from npllama.storage import float32_to_bfloat16, to_float
 
@@ -24,12 +24,7 @@ from .test_checkpoint import _write_llama2c, _write_sharded, gqa_config, random_
 TOKENS = np.array([[1, 5, 3, 9, 0, 2, 7]])
 
 
-def is_mapped(arr) -> bool:
-    """True when arr is a view of a memory-mapped file."""
-    base = arr
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return isinstance(getattr(base, "obj", base), mmap.mmap)
+is_mapped = is_file_mapped          # True when an array is a view of a memory-mapped file
 
 
 def digest(path) -> str:
@@ -52,7 +47,7 @@ def checkpoints(tmp_path, model):
 def test_a_mapped_load_is_bit_identical_to_a_copying_load_in_every_format(tmp_path):
     model = random_model(gqa_config())
     for name, path in checkpoints(tmp_path, model).items():
-        mapped, copied = npllama.load(path), npllama.load(path, mmap=False)
+        mapped, copied = npllama.load(path, mmap=True), npllama.load(path, mmap=False)
         assert list(mapped.params) == list(copied.params), name
         for n, p in copied.params.items():
             assert mapped.params[n].dtype == p.dtype == np.float32, (name, n)
@@ -68,7 +63,7 @@ def test_writing_to_a_mapped_parameter_never_changes_the_file(tmp_path):
     model = random_model(gqa_config())
     path = npllama.save(model, tmp_path / "m.safetensors", format="meta")
     before = digest(path)
-    loaded = npllama.load(path)
+    loaded = npllama.load(path, mmap=True)
     w = loaded.params["layers.0.attention.wq.weight"]
     assert is_mapped(w) and w.flags.writeable
     w[...] = 7.0                                                  # in place, as AdamW writes
@@ -86,7 +81,7 @@ def test_the_mapped_file_can_be_replaced_by_save_while_in_use(tmp_path):
     """save writes a new file and renames it over the old one: the mapped model keeps its pages."""
     model = random_model(gqa_config())
     path = npllama.save(model, tmp_path / "m.safetensors", format="meta")
-    loaded = npllama.load(path)
+    loaded = npllama.load(path, mmap=True)
     expected = loaded.forward(TOKENS)
     npllama.save(random_model(gqa_config(), seed=9), path, format="meta")
     np.testing.assert_array_equal(loaded.forward(TOKENS), expected)
@@ -109,7 +104,7 @@ def test_a_half_precision_file_held_as_is_is_mapped(tmp_path, storage):
     folder = npllama.save(model, tmp_path / "hf", format="hf", dtype=storage)
     assert {code for code, _ in read_safetensors_header(folder / "model.safetensors")[0].values()} == \
         {"F16" if storage == "float16" else "BF16"}
-    half = npllama.load(folder, dtype=storage)
+    half = npllama.load(folder, dtype=storage, mmap=True)
     as_float = npllama.load(folder)                               # float32: the file's values upcast, exactly
     for n, p in half.params.items():
         assert is_mapped(p) or n.endswith(("wq.weight", "wk.weight")), n

@@ -9,7 +9,10 @@ Exit codes and errors (README "Faults and guarantees"):
          error (disk full, read-only, permission denied, no such file): one line on stderr,
          "npllama COMMAND: error: ...", naming the path and the cause
     2    a usage error (argparse)
-    130  Ctrl-C (training saves first)
+    130  Ctrl-C (SIGINT); 143 SIGTERM; 129 SIGHUP: 128 + the signal's number, one line on stderr
+         (npllama/interrupts.py). Training finishes its step and saves a checkpoint first; a
+         second signal stops it at once, keeping the last checkpoint written
+    135  a memory-mapped weights file was cut short while in use (128 + SIGBUS; io/sigbus.py)
     141  stdout closed by its reader (`npllama generate | head -c 10`): the command ends
          quietly, as a Unix tool killed by SIGPIPE does (128 + 13); training saves first
 Anything else (TypeError, AttributeError, AssertionError, ...) is a bug in npllama and keeps

@@ -9,9 +9,10 @@ import os
 import sys
 
 from ..errors import describe_os_error
+from ..interrupts import exit_code, interrupt_detail, interrupt_signal
 
 EXIT_PIPE_CLOSED = 128 + 13     # stdout's reader went away: what a shell reports for a process killed by SIGPIPE
-EXIT_INTERRUPTED = 128 + 2      # Ctrl-C: what a shell reports for a process killed by SIGINT
+# (a stop signal's code, 128 + its number, is npllama.interrupts.exit_code)
 
 
 def number(kind, low=None, high=None, low_open=False):
@@ -52,8 +53,10 @@ def report_error(command: str, error: BaseException, where: str = "") -> int | N
               file=sys.stderr)
         return 1
     if isinstance(error, KeyboardInterrupt):
-        print(f"npllama {command}: {where}interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        sig, detail = interrupt_signal(error), interrupt_detail(error)
+        print(f"npllama {command}: {where}interrupted by {sig.name}" + (f"; {detail}" if detail else ""),
+              file=sys.stderr)
+        return exit_code(sig)
     return None
 
 

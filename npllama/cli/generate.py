@@ -102,13 +102,18 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--reference", action="store_true",
                    help="decode on the readable reference (model.forward with a KV cache, single-threaded) "
                         "instead of the engine: the same text, slower")
+    p.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                   help="map the weights file instead of reading it (--no-mmap: always read it); by default "
+                        "it is read into memory unless it holds more than half the memory available. A mapped "
+                        "file must not be rewritten in place or truncated while generating: a change stops "
+                        "generation with a message, a truncation mid-step ends it with exit code 135")
     p.set_defaults(func=run)
     return p
 
 
 # Flags whose help states its default in words; argparse leaves them out of args when not given.
 _UNSTATED_DEFAULTS = dict(model=None, prompt="", prompt_ids=None, max_new_tokens=None, seed=None,
-                          tokenizer=None, stop=[])
+                          tokenizer=None, stop=[], mmap=None)
 
 
 def _load(args):
@@ -120,7 +125,7 @@ def _load(args):
         raise MissingFileError(f"no --model given and the default model {path} is missing from the installed "
                                 "package; reinstall npllama (its wheel carries the model; in a git checkout the "
                                 "file is a link to weights/shakespeare-char.safetensors) or pass --model PATH")
-    model = load(path, dtype=args.dtype, backend="reference" if args.reference else "engine")
+    model = load(path, dtype=args.dtype, mmap=args.mmap, backend="reference" if args.reference else "engine")
     tokenizer = getattr(model, "tokenizer", None)
     if args.tokenizer:
         tokenizer = tokenizer_from_file(args.tokenizer)

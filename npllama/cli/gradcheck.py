@@ -2,6 +2,13 @@
 gradients against central differences in float64, printing one line per check. The model's
 gradients are those of the engine (the default) or, with --reference, of the reference.
 
+Central differences cost two evaluations per number checked: every element of each op's inputs
+(step 2) and --entries of every parameter of the model (step 3, two forward passes each). Before
+anything is allocated the command works out the memory this takes (npllama.memory.gradcheck_bytes)
+and the time (estimate_seconds: the evaluations it needs, each timed on tiny sizes plus its
+arithmetic at this machine's measured speed), prints the estimate, and refuses a check that
+cannot fit or would take longer than --max-minutes.
+
 Exit code 0 when every relative error is below --tol, 1 otherwise.
 """
 
@@ -12,10 +19,11 @@ import time
 
 import numpy as np
 
-from .. import ops
+from .. import memory, model as reference, ops
 from ..config import LlamaConfig
 from ..gradcheck import gradcheck, numerical_grad, rel_error
 from ..llama import Llama
+from ..work import MachineSpeed, describe_seconds, require_time
 from .args import number
 
 
@@ -45,6 +53,62 @@ def op_checks(rng, B, T, H, KVH, Dh, F, V):
     ]
 
 
+def model_loss(params, cfg, tokens, targets) -> float:
+    """The reference model's loss, a forward pass alone (what central differences evaluate)."""
+    return ops.cross_entropy_forward(reference.forward(params, cfg, tokens)[0], targets)[0]
+
+
+def _timed(fn, inputs) -> float:
+    """Seconds of fn(*inputs), the shortest of three."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn(*inputs)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def estimate_seconds(cfg: LlamaConfig, B: int, T: int, entries: int, speed: MachineSpeed) -> tuple[float, int, int]:
+    """(seconds, model forward passes, op evaluations) of the whole check, before running it.
+
+    An evaluation's time is what it takes at tiny sizes (its Python and NumPy call overhead,
+    timed here) plus its arithmetic at the real sizes at `speed`: ~10 elementwise operations per
+    element an op reads or writes, and the multiply-adds of its matmuls. The model's pass is timed
+    at one and two tiny layers, for the overhead of the pass and of a layer.
+    """
+    H, KVH, Dh, F, V, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size, cfg.dim
+    # per op check: (float inputs' elements, elements read and written by one forward, multiply-adds)
+    work = {"embedding": (V * D, 2 * B * T * D, 0), "rmsnorm": (B * T * D + D, 2 * B * T * D, 0),
+            "linear": (B * T * D + F * D, B * T * (D + F), B * T * D * F),
+            "rope": (B * H * T * Dh, 2 * B * H * T * Dh, 0),
+            "attention (GQA, causal)": ((H + 2 * KVH) * B * T * Dh, B * H * T * (4 * Dh + 3 * T), 2 * B * H * T * T * Dh),
+            "swiglu": (2 * B * T * F, 3 * B * T * F, 0), "cross-entropy": (B * T * V, 3 * B * T * V, 0)}
+    tiny_ops = op_checks(np.random.default_rng(0), 1, 2, 1, 1, 2, 2, 2)
+    op_seconds, op_evaluations = 0.0, 0
+    for name, forward, _, inputs in tiny_ops:
+        n_inputs, touched, macs = work[name]
+        op_evaluations += 2 * n_inputs
+        op_seconds += 2 * n_inputs * (_timed(forward, inputs) + speed.seconds(10 * touched, macs))
+
+    def tiny_pass(layers):
+        tiny = LlamaConfig(dim=2, n_layers=layers, n_heads=1, vocab_size=2, multiple_of=2, max_seq_len=2)
+        params, tokens = reference.init_params(tiny, 0, np.float64), np.zeros((1, 2), np.int64)
+        return _timed(model_loss, (params, tiny, tokens, tokens))
+
+    one, two = tiny_pass(1), tiny_pass(2)
+    per_layer = max(two - one, 0.0)
+    forward = (max(one - per_layer, 0.0) + cfg.n_layers * per_layer
+               + speed.seconds(10 * memory.activation_bytes(cfg, B, T, 1), pass_macs(cfg, B, T)))
+    tensors = 9 * cfg.n_layers + 2 + (0 if cfg.tie_embeddings else 1)      # len(cfg.param_shapes()), at once
+    passes = 2 * entries * tensors
+    return 3 * forward + op_seconds + passes * forward, passes + 3, op_evaluations
+
+
+def pass_macs(cfg: LlamaConfig, B: int, T: int) -> float:
+    """Multiply-adds of a forward over B windows of T tokens (no causal saving: the reference's)."""
+    return B * T * (cfg.n_params() - cfg.vocab_size * cfg.dim) + 2 * cfg.n_layers * B * T * T * cfg.dim
+
+
 def run(args) -> int:
     rng = np.random.default_rng(args.seed)
     H, KVH = args.n_heads, args.n_kv_heads
@@ -52,6 +116,14 @@ def run(args) -> int:
                       vocab_size=args.vocab_size, multiple_of=8, max_seq_len=args.seq_len)
     print(f"config: {cfg}")
     B, T = args.batch_size, args.seq_len
+    memory.require(memory.gradcheck_bytes(cfg, B, T), f"gradcheck of {cfg.n_params():,} parameters in float64 "
+                   f"on {B} x {T} tokens", "choose smaller sizes (--vocab-size, --n-layers, --head-dim, --n-heads, "
+                   "--batch-size, --seq-len)")
+    seconds, passes, evaluations = estimate_seconds(cfg, B, T, args.entries, MachineSpeed.measure())
+    print(f"estimated time: {describe_seconds(seconds)} ({passes:,} forward passes of the model, "
+          f"{evaluations:,} op evaluations)", flush=True)
+    require_time(seconds, 60 * args.max_minutes, "this gradcheck",
+                 "choose smaller sizes, fewer --entries, or allow more with --max-minutes")
     backend = "reference" if args.reference else "engine"
     print(f"\n1. forward pass (float64, {backend}): tokens ({B}, {T}) -> logits ({B}, {T}, {cfg.vocab_size})")
     model = Llama(cfg, seed=args.seed, dtype=np.float64, backend=backend)
@@ -84,7 +156,8 @@ def run(args) -> int:
     print(f"\n3. whole model: {args.entries} entries of every parameter, loss differences, h = 1e-6")
     for name, p in params.items():
         picks = rng.choice(p.size, size=min(args.entries, p.size), replace=False)
-        numeric = numerical_grad(lambda: model.loss_and_grads(tokens, targets)[0], p, indices=picks)
+        numeric = numerical_grad(lambda: ops.cross_entropy_forward(model.forward(tokens), targets)[0], p,
+                                 indices=picks)
         err = rel_error(grads[name].reshape(-1)[picks], numeric.reshape(-1)[picks])
         worst = max(worst, err)
         print(f"   {name:<36} {str(p.shape):<10} relative error {err:.1e}")
@@ -109,4 +182,6 @@ def register(subparsers):
     p.add_argument("--seed", type=int, default=0, help="seed for weights, tokens and probes")
     p.add_argument("--reference", action="store_true",
                    help="check the readable reference's gradients (npllama/model.py) instead of the engine's")
+    p.add_argument("--max-minutes", type=number(float, 0.0, low_open=True), default=10.0,
+                   help="refuse, before starting, a check estimated to take longer than this")
     p.set_defaults(func=run)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from ..train.checkpoint import CHECKPOINT_NAME, load_train_state
 from ..train.config import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INTS, PRESETS, TrainConfig, parse_duration,
                             preset)
 from ..train.loop import train
-from .args import EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, number, report_error
+from ..interrupts import exit_code
+from .args import EXIT_PIPE_CLOSED, number, report_error
 
 
 def _duration(text: str) -> float:
@@ -138,4 +140,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"npllama train: output closed; stopped at step {result.steps}, saved {result.checkpoint} "
                   "(continue with --resume)", file=sys.stderr)
         return EXIT_PIPE_CLOSED
-    return EXIT_INTERRUPTED if result.stopped == "interrupted" else 0
+    if result.stopped == "interrupted":
+        sig = signal.Signals(result.signal or signal.SIGINT)
+        if world.rank == 0:
+            print(f"npllama train: {sig.name}: stopped at step {result.steps}, saved {result.checkpoint} "
+                  "(continue with --resume)", file=sys.stderr)
+        return exit_code(sig)
+    return 0

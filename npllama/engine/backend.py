@@ -18,7 +18,7 @@ import numpy as np
 from ..config import LlamaConfig
 from .adamw import FusedAdamW
 from .cache import DecodeCache
-from .decode import EngineDecoder
+from .decode import EngineDecoder, choose_layout
 from .layout import FlatLayout, flat_params
 from .passes import forward, loss_and_grads
 from .shards import pass_footprint
@@ -63,6 +63,10 @@ class EngineBackend:
 
     def decoder(self, params, config, rope, batch_size: int) -> EngineDecoder:
         return EngineDecoder(params, config, rope, batch_size)
+
+    def decoder_copy_bytes(self, params: dict, dtype) -> int:
+        """The bytes a decoder copies of the weights: the stacked, norm-folded copies of a small model."""
+        return sum(a.nbytes for a in params.values()) if choose_layout(params) == "stacked" else 0
 
     def pass_footprint(self, batch_size: int, seq_len: int, dim: int, workers=None) -> tuple[int, int]:
         """(rows whose activations are alive at once, shards whose gradients are summed): shards.pass_footprint."""

@@ -7,6 +7,8 @@
     metadata.py     the keys npllama writes into safetensors metadata (the one owner)
     lora.py         LoRA checkpoints: the adapters, the base they name and its fingerprint
     footprint.py    the memory a load will take, from the tensors' shapes and dtypes
+    mapped.py       a file read into memory or mapped (the rule), and a mapped file watched for changes
+    sigbus.py       SIGBUS while a file is mapped: one line naming it, exit 135
     pickles.py      pickle refusal: never unpickled
     atomic.py       atomic writes: a temp file (or folder), fsync, one rename; never through a link
     outputs.py      where npllama may write: never over an input or, unasked, a checkpoint

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import with_path
-from .errors import OutputPathError
+from .errors import OutputPathError, PathInTheWayError
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -179,7 +179,7 @@ def write_folder_atomic(path, write_contents: Callable[[Path], None],
     path = Path(path)
     refuse_symlink(path)
     if path.exists() and not path.is_dir():
-        raise FileExistsError(errno.EEXIST, "a file, not a folder, is in the way", str(path))
+        raise PathInTheWayError(f"{path} is a file, where a folder is to be written; choose another path")
     parent = path.parent if str(path.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_folders(path)

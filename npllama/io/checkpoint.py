@@ -23,9 +23,11 @@ contradict (dim, vocab_size, n_layers, hidden_dim, n_kv_heads, tie_embeddings) a
 then every missing, unexpected and misshapen tensor at once. Hugging Face q_proj/k_proj rows are
 un-permuted into Meta's RoPE layout (io/hf.py). Every tensor is held in the dtype asked for
 (float32, float64, or float16 / bfloat16 for inference: npllama.storage); one already stored so
-stays a view of the mapped file. Tensors that are derived data or optimizer state are skipped
-knowingly, never silently: HF `rotary_emb.inv_freq` and Meta `rope.freqs` (checked against
-rope_theta first), and the optimizer moments of a training checkpoint (io/metadata.py).
+stays a view of the file, read into memory or, for a file large against the memory available or
+when asked (mmap=True), mapped and then watched for changes (io/mapped.py). Tensors that are
+derived data or optimizer state are skipped knowingly, never silently: HF `rotary_emb.inv_freq`
+and Meta `rope.freqs` (checked against rope_theta first), and the optimizer moments of a
+training checkpoint (io/metadata.py).
 Every file save writes goes through io/atomic.py: replaced whole or left untouched. Every
 safetensors file it writes records CRC-32s of its header and tensors, which load verifies
 (io/integrity.py); memory is checked against the sizes in a header before tensors are read
@@ -50,17 +52,20 @@ from ..config import LlamaConfig
 from ..errors import MissingFileError, NpllamaError
 from ..backend import check_backend_name
 from ..llama import Llama, LoraLlama
-from ..storage import all_finite, compute_dtype_of, is_half, storage_dtype_name, to_float, to_storage
+from ..storage import (all_finite, compute_dtype_of, conversion_scratch_bytes, is_half, nbytes_per_element,
+                       storage_dtype_name, storage_name_of, to_float, to_storage)
 from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer, tokenizer_from_folder
 from ..tokenizers.hf_export import generation_config_json, hf_tokenizer_files
 from .atomic import write_bytes_atomic, write_folder_atomic
-from .errors import CheckpointError, ConfigMismatchError, PickleRefusedError, TensorMismatchError, PICKLE_HINT
+from .errors import (CheckpointError, ConfigMismatchError, PathInTheWayError, PickleRefusedError, TensorMismatchError,
+                     PICKLE_HINT)
 from .footprint import LoadFootprint, load_footprint
 from .hf import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_meta_name, is_hf_name, llama_to_hf_config,
                  meta_to_hf, meta_to_hf_name, permute_hf_to_meta)
 from .llama2c import read_llama2c
 from .lora import read_adapted
+from .mapped import MappedSource, should_map
 from .metadata import (CONFIG_KEY, LORA_KEY, OPTIMIZER_PREFIX, SAVE_ID_KEY, TOKENIZER_KEY, config_from_metadata,
                        is_training_checkpoint, model_metadata, tokenizer_from_metadata)
 from .outputs import check_output_path, check_save_target, refuse_inputs, replaced_by_a_model
@@ -132,16 +137,18 @@ def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig,
 
     Returns (params, notes, footprint).
 
-    tensors: {file name: array}, memory-mapped (map_safetensors, read_llama2c); codes: their
-    safetensors dtype codes. A tensor already held as `storage` stays a view of the file when
-    `mapped`; every other one is converted (or copied) on its own and its file pages released,
-    so the load never holds two full copies of the weights.
+    tensors: {file name: array}, views of the file mapped or read whole (map_safetensors,
+    read_llama2c; `mapped` says which); codes: their safetensors dtype codes. A tensor already
+    held as `storage` stays a view of the file's buffer; every other one is converted on its own
+    and its pages released, so the load never holds two full copies of the weights.
     """
     notes = []
     if is_training_checkpoint(metadata):
         opt = [n for n in tensors if n.startswith(OPTIMIZER_PREFIX)]
         if opt:
             notes.append(f"skipped {len(opt)} optimizer tensors (training checkpoint)")
+        for n in opt:
+            release_pages(tensors[n])
         tensors = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
     hf_names = [n for n in tensors if is_hf_name(n)]
     naming = "hf" if hf_names else "meta"
@@ -201,9 +208,12 @@ def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig,
         notes.append(f"ignored unexpected tensors {unexpected}")
     permuted = {n for n in expected if naming == "hf" and n.endswith((".attention.wq.weight", ".attention.wk.weight"))}
     # what the weights will take, from their shapes alone: compared with the memory available
-    # before anything below allocates (npllama.memory)
-    footprint = load_footprint({n: renamed[n] for n in expected}, storage, mapped=mapped, copied=permuted)
-    memory.require(footprint.total, f"loading {source} as {storage} ({footprint.describe()})",
+    # before anything below allocates (npllama.memory). A file read into memory is there already:
+    # what is still to come is the arrays converted from it.
+    in_place = load_footprint({n: renamed[n] for n in expected}, storage, mapped=True, copied=permuted)
+    footprint = in_place if mapped else LoadFootprint(in_place.total, 0)
+    memory.require(in_place.total if mapped else in_place.allocated,
+                   f"loading {source} as {storage} ({footprint.describe()})",
                    "load it on a machine with more memory" + ("" if is_half(storage) else
                                                               ", or hold it in float16 or bfloat16"))
     notes.append(f"holds {footprint.describe()}")
@@ -218,8 +228,6 @@ def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig,
                                   "or the weights overflowed the requested dtype")
         if n in permuted:
             held = permute_hf_to_meta(held, cfg.n_heads if n.endswith("wq.weight") else cfg.n_kv_heads)
-        if held is t and not mapped:
-            held = t.copy()
         if held is not t:
             release_pages(t)
         params[n] = np.ascontiguousarray(held)
@@ -239,26 +247,30 @@ def _config_from_json_file(path: Path) -> tuple[LlamaConfig, bool]:
         raise ConfigMismatchError(f"{path}: {e}") from None
 
 
-def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, dict, str]:
-    """(tensors, metadata, dtype codes, description) of model.safetensors or the shards of its index,
-    memory-mapped (map_safetensors)."""
+def _read_hf_folder(folder: Path, verify: bool, mapped: bool | None) -> tuple[dict, dict, dict, str, bool]:
+    """(tensors, metadata, dtype codes, description, mapped) of model.safetensors or the shards of its
+    index, mapped or read (map_safetensors; mapped None: as should_map decides for their total size)."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():  # transformers tries the single file first too
-        tensors, metadata, codes = map_safetensors(single, verify)
-        return tensors, metadata, codes, str(single)
+        mapped = _decide(mapped, single.stat().st_size)
+        tensors, metadata, codes = map_safetensors(single, verify, mapped)
+        return tensors, metadata, codes, str(single), mapped
     if index.is_file():
         idx = parse_json(index.read_bytes(), str(index), CheckpointError)
         wmap = idx.get("weight_map") if isinstance(idx, dict) else None
         if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
             raise CheckpointError(f"{index}: needs a 'weight_map' object of tensor name -> shard file")
         tensors, metadata, codes = {}, {}, {}
-        for shard in sorted(set(wmap.values())):
+        shards = sorted(set(wmap.values()))
+        for shard in shards:
             if Path(shard).name != shard:
                 raise CheckpointError(f"{index}: shard {shard!r} is not a file name inside the folder")
-            shard_path = folder / shard
-            if not shard_path.is_file():
+            if not (folder / shard).is_file():
                 raise MissingFileError(f"{index} lists shard {shard!r}, which is not in {folder}")
-            part, meta, part_codes = map_safetensors(shard_path, verify)
+        mapped = _decide(mapped, sum((folder / shard).stat().st_size for shard in shards))
+        for shard in shards:
+            shard_path = folder / shard
+            part, meta, part_codes = map_safetensors(shard_path, verify, mapped)
             if meta.get(SAVE_ID_KEY) != metadata.get(SAVE_ID_KEY, meta.get(SAVE_ID_KEY)):
                 raise CheckpointError(f"{shard_path}: written by another save than the shards before it; "
                                       "save or export the folder again")
@@ -270,7 +282,7 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, dict, str]:
                                       f"listed but absent {absent}, present but not listed {unlisted}")
             tensors.update(part)
             codes.update(part_codes)
-        return tensors, metadata, codes, f"{folder} ({len(set(wmap.values()))} shards)"
+        return tensors, metadata, codes, f"{folder} ({len(shards)} shards)", mapped
     pickles = sorted(p.name for p in folder.iterdir() if looks_pickled_name(p))
     if pickles:
         raise PickleRefusedError(f"{folder}: holds only PyTorch pickle weights {pickles}; refusing them. {PICKLE_HINT}")
@@ -278,9 +290,9 @@ def _read_hf_folder(folder: Path, verify: bool) -> tuple[dict, dict, dict, str]:
                             "expected a Hugging Face LlamaForCausalLM folder")
 
 
-def _read_folder_once(path: Path, verify: bool):
-    """(tensors, metadata, codes, source, config, is_hf, tokenizer) of a Hugging Face folder, read once."""
-    tensors, metadata, codes, source = _read_hf_folder(path, verify)
+def _read_folder_once(path: Path, verify: bool, mmap: bool | None):
+    """(tensors, metadata, codes, source, config, is_hf, tokenizer, mapped) of a Hugging Face folder, read once."""
+    tensors, metadata, codes, source, mapped = _read_hf_folder(path, verify, mmap)
     cfg_file = path / "config.json"
     if cfg_file.is_file():
         cfg, hf = _config_from_json_file(cfg_file)
@@ -297,7 +309,7 @@ def _read_folder_once(path: Path, verify: bool):
         tokenizer, problem = tokenizer_from_folder(path)
         if problem:
             warnings.warn(f"{problem}; the model loads without a tokenizer", stacklevel=5)
-    return tensors, metadata, codes, source, cfg, hf, tokenizer
+    return tensors, metadata, codes, source, cfg, hf, tokenizer, mapped
 
 
 def _save_id(folder: Path) -> str | None:
@@ -313,7 +325,7 @@ def _save_id(folder: Path) -> str | None:
 _SWAP_RETRIES = 20      # a writer swaps a folder in one rename: a reader that straddles one reads again
 
 
-def _read_folder(path: Path, verify: bool):
+def _read_folder(path: Path, verify: bool, mmap: bool | None):
     """_read_folder_once, of one save only. A folder npllama saved carries one save id in config.json
     and model.safetensors (save()); a read that saw the id change under it (another process saved
     into the folder meanwhile: io/atomic.py write_folder_atomic) is read again, so the config,
@@ -322,7 +334,7 @@ def _read_folder(path: Path, verify: bool):
     for attempt in range(_SWAP_RETRIES):
         before = _save_id(path)
         try:
-            parts = _read_folder_once(path, verify)
+            parts = _read_folder_once(path, verify, mmap)
         except (CheckpointError, MissingFileError):
             if _save_id(path) == before:
                 raise
@@ -340,8 +352,13 @@ def _read_folder(path: Path, verify: bool):
                           "saving into it); retry when that process is done")
 
 
+def _decide(mapped: bool | None, nbytes: int) -> bool:
+    """mmap=True / False as given; None: map a file of nbytes when it is large (io/mapped.py should_map)."""
+    return should_map(nbytes) if mapped is None else bool(mapped)
+
+
 def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None,
-                    verify: bool = True, mmap: bool = True) -> Loaded:
+                    verify: bool = True, mmap: bool | None = None) -> Loaded:
     """Read any supported checkpoint into (config, Meta-named params, tokenizer, notes); see load()."""
     loaded = _read(Path(path), storage_dtype_name(dtype), strict, verify, mmap)
     if max_seq_len is not None:     # the one place a file's context length is overridden
@@ -349,16 +366,17 @@ def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len:
     return loaded
 
 
-def _read(path: Path, storage: str, strict: bool, verify: bool, mapped: bool) -> Loaded:
+def _read(path: Path, storage: str, strict: bool, verify: bool, mmap: bool | None) -> Loaded:
     if not path.exists():
         raise MissingFileError(f"{path}: no such file or folder")
     if path.is_dir():
-        tensors, metadata, codes, source, cfg, hf, tokenizer = _read_folder(path, verify)
+        tensors, metadata, codes, source, cfg, hf, tokenizer, mapped = _read_folder(path, verify, mmap)
     else:
         refuse_pickle_name(path)
         suffix = path.suffix.lower()
         if suffix == ".bin":
-            cfg, tensors = read_llama2c(path)
+            mapped = _decide(mmap, path.stat().st_size)
+            cfg, tensors = read_llama2c(path, mapped)
             params, notes, footprint = _match_tensors(tensors, dict.fromkeys(tensors, "F32"), {}, cfg, storage,
                                                       strict=True, source=str(path), hf_config=False, mapped=mapped)
             return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"] + notes, footprint)
@@ -367,13 +385,14 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mapped: bool) ->
                 refuse_pickle_magic(path, f.read(4))
             raise CheckpointError(f"{path}: unknown checkpoint type {suffix!r}; npllama reads .safetensors files, "
                                   "Hugging Face folders and llama2.c .bin files")
-        tensors, metadata, codes = map_safetensors(path, verify)
+        mapped = _decide(mmap, path.stat().st_size)
+        tensors, metadata, codes = map_safetensors(path, verify, mapped)
         source = str(path)
         if LORA_KEY in metadata:    # LoRA adapters: the base they name, with them merged in (io/lora.py)
             # the base in the dtype the adapters are merged in; held as `storage` by load() afterwards
             base_dtype = compute_dtype_of(storage)
             adapted = read_adapted(path, tensors, metadata,
-                                   lambda base, _: load(base, base_dtype, strict=strict, verify=verify, mmap=mapped))
+                                   lambda base, _: load(base, base_dtype, strict=strict, verify=verify, mmap=mmap))
             return Loaded(adapted.config, adapted.merged().params, adapted.tokenizer,
                           [f"LoRA adapters of {path} (rank {adapted.spec.rank}) merged into {adapted.base_path}"])
         beside = path.parent / "config.json"
@@ -392,20 +411,24 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mapped: bool) ->
 
 
 def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None, verify: bool = True,
-         mmap: bool = True, backend: str = "engine"):
+         mmap: bool | None = None, backend: str = "engine"):
     """Load a checkpoint into an npllama.Llama (formats: see this module's docstring).
 
     dtype: what the weights are held in: np.float32 (default) or np.float64, which the model
         also computes in; or np.float16 / "bfloat16", half the memory, for inference (forward and
         generate compute in float32, one layer at a time; loss_and_grads refuses). Each tensor
         is converted on its own, so a load never holds two full copies of the weights.
-    mmap: True (default) maps the file instead of copying it wherever a tensor is stored in the
+    mmap: None (default) reads the file into memory, unless it holds more than half the memory
+        available, which it maps (io/mapped.py should_map). True maps it: a tensor stored in the
         dtype asked for (float32 safetensors and llama2.c .bin for float32; float16 / bfloat16
-        files for those): nothing is copied (the checksum and finiteness checks read each page
-        once), the pages are shared with the OS page cache, and
-        writing to a parameter (training) changes the process's copy only, never the file. The
-        file must then not be truncated or rewritten in place while the model is in use (npllama
-        replaces files whole, which is safe). False copies every tensor into memory.
+        files for those) is then not copied but read in place (the checksum and finiteness checks
+        read each page once), its pages shared with the OS page cache, and writing to a
+        parameter (training) changes the process's copy only, never the file. A mapped model
+        checks that the file is unchanged before every forward, training pass and generate call,
+        and every 8th decode step (WeightsFileChangedError tells to reload it; a truncation
+        mid-step ends the process with one line and exit code 135, io/sigbus.py): replacing the
+        file atomically, as npllama does, is safe; copying over it or truncating it is not.
+        False reads it.
     strict: False turns unexpected extra tensors into a warning instead of an error.
     max_seq_len: override the config's (e.g. Llama 2's 4096 makes large RoPE tables).
     verify: check the CRC-32s npllama records in the files it writes (io/integrity.py); a damaged
@@ -418,6 +441,9 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
     loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len, verify=verify, mmap=mmap)
     model = Llama.from_params(loaded.config, loaded.params, dtype=dtype, backend=backend, adopt=True)
     model.tokenizer = loaded.tokenizer
+    source = MappedSource.of(model.params)
+    if source is not None:                   # weights read in place from a mapped file: watch it
+        model._source_check = source.check
     return model
 
 
@@ -438,6 +464,17 @@ def _cast_for_save(arr: np.ndarray, name: str):
     if not all_finite(out):
         raise NpllamaError(f"casting to {name} overflows some weights; save in float32 instead")
     return Bfloat16(out) if name == "bfloat16" else out
+
+
+def _require_save(params: dict, path: Path, format: str, dname: str) -> None:
+    """Refuse, before converting anything, a save whose copies cannot fit (npllama.memory): every
+    parameter not held as dname is converted (with the temporaries of one conversion), and format
+    "hf" permutes the q and k rows, and all are kept until the file is written."""
+    changing = [p for p in params.values() if storage_name_of(p) != dname]
+    converted = sum(memory.array_bytes(p.size, nbytes_per_element(dname)) for p in changing)
+    scratch = max((conversion_scratch_bytes(p.size) for p in changing), default=0)
+    permuted = sum(p.nbytes for n, p in params.items() if format == "hf" and n.endswith(("wq.weight", "wk.weight")))
+    memory.require(converted + scratch + permuted, f"writing {path} as {dname}", "save on a machine with more memory")
 
 
 def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoint: bool = False) -> Path:
@@ -471,6 +508,7 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
         model = model.merged()
     dname = _save_dtype_name(dtype)
     cfg, params = model.config, model.params
+    _require_save(params, path, format, dname)
     tokenizer = getattr(model, "tokenizer", None)
     meta = model_metadata(cfg, tokenizer)
     if format == "meta":
@@ -478,14 +516,14 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
             raise NpllamaError(f"{path}: format='meta' writes one .safetensors file; "
                                "give a path ending in .safetensors")
         if path.is_dir():
-            raise IsADirectoryError(f"{path} is a folder; format='meta' writes one .safetensors file")
+            raise PathInTheWayError(f"{path} is a folder; format='meta' writes one .safetensors file")
         check_save_target(path, format, overwrite_checkpoint)
         tensors = {n: _cast_for_save(params[n], dname) for n in cfg.param_shapes()}
         write_safetensors_atomic(path, tensors, meta)
         return path
     if format == "hf":
         if path.exists() and not path.is_dir():
-            raise FileExistsError(f"{path} is a file; format='hf' writes a folder")
+            raise PathInTheWayError(f"{path} is a file; format='hf' writes a folder")
         check_save_target(path, format, overwrite_checkpoint)
         hf = meta_to_hf({n: params[n] for n in cfg.param_shapes()}, cfg)
         del meta[CONFIG_KEY]                 # config.json carries it, in transformers' terms

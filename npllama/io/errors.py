@@ -3,7 +3,6 @@
 from ..errors import NpllamaError
 
 
-
 class CheckpointError(NpllamaError):
     """A checkpoint is corrupt, truncated, untrusted, or does not fit its config."""
 
@@ -33,3 +32,11 @@ PICKLE_HINT = (
 class OutputPathError(NpllamaError):
     """A path npllama refuses to write: empty, a symbolic link, one of the command's own inputs, or a
     checkpoint it would destroy (the message names the path and what to do instead)."""
+
+
+class PathInTheWayError(OutputPathError, FileExistsError):
+    """A file where a folder is to be written, or a folder where a file is (also a FileExistsError)."""
+
+
+class WeightsFileChangedError(CheckpointError):
+    """A file a model's weights are memory-mapped from changed on disk while in use (io/mapped.py)."""

@@ -20,8 +20,8 @@ import numpy as np
 from ..config import LlamaConfig
 from ..errors import NpllamaError
 from .errors import CheckpointError
+from .mapped import file_buffer
 from .pickles import refuse_pickle_magic
-from .safetensors import map_copy_on_write
 
 LLAMA2C_MAGIC = 0x616B3432  # "ak42" read as a little-endian uint32
 LLAMA2C_V1_HEADER_BYTES = 256
@@ -72,9 +72,10 @@ def llama2c_float_count(cfg: LlamaConfig, version: int) -> int:
     return cfg.n_params() + rope
 
 
-def read_llama2c(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
+def read_llama2c(path: Path, mapped: bool = True) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """(config, {Meta name: float32 array}) of a llama2.c checkpoint; the arrays are views of the file,
-    memory-mapped copy-on-write (nothing is read until used; writes never reach the file)."""
+    memory-mapped copy-on-write (nothing is read until used; writes never reach the file), or,
+    not mapped, of the file read into memory (io/mapped.py)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(LLAMA2C_V1_HEADER_BYTES)
@@ -115,10 +116,13 @@ def read_llama2c(path: Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
             f"{path}: a llama2.c v{version} checkpoint with header {fields} (shared classifier: {shared}) "
             f"is {expected} bytes, but the file has {size}: {what}. Hint: the file is damaged, or it is "
             "not a float32 llama2.c checkpoint")
-    with open(path, "rb") as f:   # mapped copy-on-write, as io/safetensors.py map_safetensors explains
-        mapped = map_copy_on_write(f, path)
+    with open(path, "rb") as f:   # mapped copy-on-write or read, as io/safetensors.py map_safetensors explains
+        buffer = file_buffer(f, path, mapped)
+    if len(buffer) != expected:
+        raise CheckpointError(f"{path}: the file changed size while it was opened ({size:,} -> {len(buffer):,} bytes); "
+                              "it is being written or truncated: wait for it, then load again")
     layout = llama2c_layout(cfg, version)
-    data = np.frombuffer(mapped, dtype="<f4", offset=offset)
+    data = np.frombuffer(buffer, dtype="<f4", offset=offset)
     if not data.dtype.isnative:
         data = data.astype("=f4")
     params, pos = {}, 0

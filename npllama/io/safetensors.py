@@ -14,7 +14,6 @@ the header and of every tensor in the metadata, which reading verifies (io/integ
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import mmap
@@ -27,11 +26,12 @@ import numpy as np
 
 from .. import memory
 from ..checks import is_integer, parse_json
-from ..errors import MemoryLimitError, MissingFileError, NpllamaError
+from ..errors import MissingFileError, NpllamaError
 from ..storage import bfloat16_to_float32
 from .atomic import write_atomic
 from .errors import CheckpointError
 from .integrity import Verifier, checksum_metadata, refuse_damaged_record
+from .mapped import file_buffer
 from .metadata import CHECKSUM_KEY
 from .pickles import refuse_pickle_magic
 
@@ -189,19 +189,21 @@ def read_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], 
     return tensors, _without_checksum(metadata)
 
 
-def map_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, str]]:
-    """Map a .safetensors file into memory: ({name: array}, metadata, {name: dtype code, e.g. "F32"}).
+def map_safetensors(path, verify: bool = True, mapped: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str],
+                                                                          dict[str, str]]:
+    """A .safetensors file held whole in memory: ({name: array}, metadata, {name: dtype code, e.g. "F32"}).
 
-    Each array is a view of the file's pages, mapped copy-on-write (mmap.ACCESS_COPY): the pages
-    are shared with the OS page cache instead of copied, and writing to an array (an optimizer
-    step) changes this process's copy of the page only, never the file. BF16 tensors come back
-    as their raw bits (uint16; npllama.storage). The header is checked as in read_safetensors.
-    verify: check the header and every tensor against the checksums npllama recorded (which
-    reads each page once, into the shared page cache); unverified, nothing is read until used.
-    The metadata returned leaves out the checksum record. The file must not be truncated or
-    rewritten in place while its arrays are in use (npllama's own writes replace files whole,
-    which is safe: the old pages stay mapped); release_pages hands back the pages of a tensor
-    that was copied out.
+    mapped: each array is a view of the file's pages, mapped copy-on-write (io/mapped.py): the
+    pages are shared with the OS page cache instead of copied, and writing to an array (an
+    optimizer step) changes this process's copy of the page only, never the file. Not mapped:
+    the file is read into memory and the arrays are views of that (io/mapped.py ReadBuffer).
+    BF16 tensors come back as their raw bits (uint16; npllama.storage). The header is checked as
+    in read_safetensors. verify: check the header and every tensor against the checksums
+    npllama recorded (which reads each page once); unverified and mapped, nothing is read until
+    used. The metadata returned leaves out the checksum record. A mapped file must not be
+    truncated or rewritten in place while its arrays are in use (npllama's own writes replace
+    files whole, which is safe: the old pages stay mapped); release_pages hands back the pages of
+    a tensor that was copied out, or that is not needed.
     """
     path = Path(path)
     if not path.is_file():
@@ -209,12 +211,13 @@ def map_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], d
     with open(path, "rb") as f:
         entries, metadata, data_start = _read_header(f, path)
         verifier = _verifier(path, entries, metadata, verify)
-        mapped = map_copy_on_write(f, path)
+        buffer = file_buffer(f, path, mapped)
+    _require_whole(path, len(buffer), data_start + max((e for *_, e in entries), default=0))
     tensors, codes = {}, {}
     for name, st, shape, begin, _ in entries:
         dt = _ST_DTYPES[st]
         count = math.prod(shape)
-        arr = (np.frombuffer(mapped, dtype=dt, count=count, offset=data_start + begin) if count
+        arr = (np.frombuffer(buffer, dtype=dt, count=count, offset=data_start + begin) if count
                else np.empty(0, dt)).reshape(shape)
         if verifier is not None:
             verifier.check(name, arr)
@@ -224,27 +227,21 @@ def map_safetensors(path, verify: bool = True) -> tuple[dict[str, np.ndarray], d
     return tensors, _without_checksum(metadata), codes
 
 
-def map_copy_on_write(f, path: Path) -> mmap.mmap:
-    """The whole open file f mapped copy-on-write. A private writable mapping counts against the
-    memory the kernel lets the process commit, so a file beyond it fails to map: that is a
-    MemoryLimitError here, not a bare OSError. (What the load will hold is checked afterwards,
-    from the header: io/checkpoint.py.)"""
-    size = os.fstat(f.fileno()).st_size
-    try:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    except OSError as e:
-        if e.errno == errno.ENOMEM:
-            raise MemoryLimitError(f"mapping {path} needs {memory.gib(size)} GiB, more than this process "
-                                   "may commit; load it on a machine with more memory") from None
-        raise
+def _require_whole(path: Path, held: int, needed: int) -> None:
+    """Refuse a file that shrank between reading its header and holding its data."""
+    if held < needed:
+        raise CheckpointError(f"{path}: the file shrank to {held:,} bytes while it was opened, below the {needed:,} "
+                              "its header describes; it is being written or truncated: wait for it, then load again")
 
 
 def release_pages(arr: np.ndarray) -> None:
-    """Drop the whole pages under a memory-mapped array from this process (after its data was copied
-    or converted), so that a load holds one copy of the weights, not the file's pages too.
+    """Drop the whole pages under an array of a file buffer (map_safetensors) from this process, after
+    its data was copied or converted or when it is not needed, so that a load holds one copy of the
+    weights, not the file's pages too.
 
     Only pages wholly inside the array are dropped, so neighbouring tensors keep theirs; unwritten
-    copy-on-write pages read back from the file if touched again. Does nothing for other arrays.
+    copy-on-write pages of a mapped file read back from the file if touched again, those of a read
+    one as zeros (it must not be used again). Does nothing for other arrays.
     """
     base = arr
     while isinstance(base, np.ndarray):

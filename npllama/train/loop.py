@@ -26,17 +26,19 @@ rank 0 alone holds the lock, prints, and writes the checkpoint, metrics and char
 
 Faults (README "Faults and guarantees"): the run holds OUT_DIR's lock (train/lock.py) from
 start to end and removes the temporary files a killed run left there; it refuses, before
-allocating, a model and batch that cannot fit in memory (npllama.memory); it stops at the
+allocating, a model and batch that cannot fit in memory (npllama.memory), and settings whose
+steps or evaluations could not end within a day (npllama.work); it stops at the
 first sign of divergence (train/divergence.py) with the last healthy checkpoint kept; a write
-that fails (disk full, read-only) stops it with the last checkpoint intact; and when its
-output goes away (`npllama train | head`) it stops and saves as on Ctrl-C.
+that fails (disk full, read-only) stops it with the last checkpoint intact; SIGINT (Ctrl-C),
+SIGTERM or SIGHUP stop it at the next step boundary with a checkpoint, a second one at once
+(npllama/interrupts.py StopRequest, which the loop polls); and when its output goes away
+(`npllama train | head`) it stops and saves as on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -46,10 +48,11 @@ from typing import TextIO
 
 import numpy as np
 
-from .. import memory
+from .. import memory, work
 from ..config import LlamaConfig
 from ..engine import freed_memory_kept
 from ..errors import NpllamaError, describe_os_error
+from ..interrupts import StopRequest
 from ..io import save
 from ..io.atomic import stale_temp_files
 from ..llama import Llama, backend_named, pass_footprint
@@ -72,15 +75,16 @@ from .run_files import check_run_files
 
 def train_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: float,
                world: World = ALONE) -> tuple[float, float]:
-    """One optimizer step over len(batches) micro-batches [(x, y), ...]; returns (loss, grad_norm).
+    """One optimizer step over the micro-batches [(x, y), ...]; returns (loss, grad_norm).
 
-    The gradients of the micro-batches are averaged (each is already a mean over its B*T
-    targets, so the average is the mean over all of them), clipped, and applied. When the
-    loss or the gradient norm is not finite, nothing is updated and that value is returned:
-    the caller decides to stop. Over several ranks (train/distributed.py) each computes its
+    batches: any iterable, drawn one at a time (a generator keeps one micro-batch in memory,
+    however large --grad-accum is). The gradients of the micro-batches are averaged (each is
+    already a mean over its B*T targets, so the average is the mean over all of them), clipped,
+    and applied. When the loss or the gradient norm is not finite, nothing is updated and that
+    value is returned: the caller decides to stop. Over several ranks (train/distributed.py) each computes its
     rows of every micro-batch, weighted by its share of the targets, and one Allreduce sums them.
     """
-    total_loss, grads = 0.0, None
+    total_loss, grads, n = 0.0, None, 0
     for x, y in batches:
         x, y, share = world.shard(x, y)
         loss, g = model.loss_and_grads(x, y)
@@ -89,12 +93,12 @@ def train_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: fl
             for gi in g.values():
                 gi *= share
         total_loss += loss
+        n += 1
         if grads is None:
             grads = g
         else:
             for name, gi in g.items():
                 grads[name] += gi
-    n = len(batches)
     if n > 1:
         for gi in grads.values():
             gi *= 1.0 / n
@@ -118,12 +122,11 @@ def estimate_loss(model: Llama, ids: np.ndarray, batch_size: int, seq_len: int, 
     Over several ranks each computes its rows of every batch, weighted as in train_step.
     """
     rng = np.random.default_rng(seed)
-    losses = []
+    total = 0.0
     for _ in range(n_batches):
         x, y, share = world.shard(*get_batch(ids, batch_size, seq_len, rng))
-        logits = model.forward(x)
-        losses.append(cross_entropy_forward(logits, y)[0] * share)
-    total, = world.sums(float(np.sum(losses)))
+        total += cross_entropy_forward(model.forward(x), y)[0] * share
+    total, = world.sums(float(total))
     return total / n_batches
 
 
@@ -187,6 +190,7 @@ class TrainResult:
     elapsed: float                  # seconds of this run
     full_val_loss: float            # over every validation token (full_val_loss)
     history: list = field(default_factory=list)   # (step, val_loss) of every eval
+    signal: int | None = None       # stopped "interrupted": the signal (SIGINT, SIGTERM or SIGHUP)
 
 
 class Console:
@@ -279,6 +283,24 @@ def require_memory(cfg: TrainConfig, model_config: LlamaConfig, world: World = A
                    f"{' (or fewer ranks on this machine)' if world.ranks_here > 1 else ''}")
 
 
+# One optimizer step (--grad-accum micro-batches) or one evaluation (--eval-batches forwards) that
+# cannot end within a day even at work.CEILING_FLOPS is a typo, not a run: refused before it starts.
+MAX_STEP_SECONDS = 86400.0
+
+
+def require_time(cfg: TrainConfig, model_config: LlamaConfig) -> None:
+    """Refuse settings whose every step or evaluation would take longer than MAX_STEP_SECONDS at
+    the least (npllama.work); micro-batches are drawn one at a time, so their count costs time,
+    not memory."""
+    B, T = cfg.batch_size, cfg.seq_len
+    step = work.minimum_seconds(cfg.grad_accum * work.pass_flops(model_config, B, T, backward=True))
+    work.require_time(step, MAX_STEP_SECONDS, f"one optimizer step of {cfg.grad_accum:,} micro-batches "
+                      f"(--grad-accum) of {B} x {T} tokens", "lower --grad-accum", lower_bound=True)
+    evaluation = work.minimum_seconds(cfg.eval_batches * work.pass_flops(model_config, B, T))
+    work.require_time(evaluation, MAX_STEP_SECONDS, f"one evaluation of {cfg.eval_batches:,} batches "
+                      f"(--eval-batches) of {B} x {T} tokens", "lower --eval-batches", lower_bound=True)
+
+
 def new_run(cfg: TrainConfig, log, explicit=(), world: World = ALONE) -> Run:
     """A fresh model of the config's shape (or the --init model: train/finetune.py), on the text's
     tokens, with the batch generator at (seed, 1). explicit: the fields the user set (init_model)."""
@@ -289,9 +311,11 @@ def new_run(cfg: TrainConfig, log, explicit=(), world: World = ALONE) -> Run:
     if cfg.init:
         model, cfg = init_model(cfg, explicit)
         require_memory(cfg, model.config, world)
+        require_time(cfg, model.config)
         corpus = prepare_data(cfg, tokenizer=model.tokenizer, log=log)
     else:
         require_memory(cfg, cfg.model_config(max(1, cfg.vocab_size)), world)   # before the data: a bound from below
+        require_time(cfg, cfg.model_config(max(1, cfg.vocab_size)))
         corpus = prepare_data(cfg, log=log)
         require_memory(cfg, cfg.model_config(corpus.tokenizer.vocab_size), world)
         model = Llama(cfg.model_config(corpus.tokenizer.vocab_size), seed=cfg.seed, dtype=np.dtype(cfg.dtype),
@@ -306,6 +330,7 @@ def resume_run(cfg: TrainConfig, log, explicit=(), world: World = ALONE) -> Run:
     """The run saved in OUT_DIR/ckpt.safetensors, exactly where it stopped, with cfg's non-structural values."""
     ckpt_path = Path(cfg.out_dir) / CHECKPOINT_NAME
     require_memory(cfg, load_model_config(ckpt_path), world)
+    require_time(cfg, load_model_config(ckpt_path))
     ck = load_train_checkpoint(ckpt_path, backend=cfg.backend)
     saved = TrainConfig.from_dict(ck.state["train_config"])
     cfg = init_architecture(saved, cfg, explicit)
@@ -336,22 +361,21 @@ def resume_run(cfg: TrainConfig, log, explicit=(), world: World = ALONE) -> Run:
 def calibrate_steps(run: Run, budget_left: float, log) -> int:
     """How many steps fit in budget_left seconds, eval and sample time included.
 
-    Times two gradient computations (after one warm-up) and one forward without touching
-    the parameters, so the run itself is unaffected. Over several ranks, on this rank's rows;
-    rank 0's count is the one every rank takes.
+    Times two gradient computations of one micro-batch (after one warm-up) and one forward
+    without touching the parameters, so the run itself is unaffected. Over several ranks, on this
+    rank's rows; rank 0's count is the one every rank takes.
     """
     cfg, model = run.cfg, run.model
     rng = np.random.default_rng([cfg.seed, 9])
-    batches = [run.world.shard(*get_batch(run.corpus.train_ids, cfg.batch_size, cfg.seq_len, rng))[:2]
-               for _ in range(cfg.grad_accum)]
-    model.loss_and_grads(*batches[0])
+    x, y, _ = run.world.shard(*get_batch(run.corpus.train_ids, cfg.batch_size, cfg.seq_len, rng))
+    model.loss_and_grads(x, y)
     t0 = time.perf_counter()
     for _ in range(2):
-        for x, y in batches:
-            model.loss_and_grads(x, y)
-    step_time = (time.perf_counter() - t0) / 2 * 1.03        # + clipping and the AdamW update
+        model.loss_and_grads(x, y)
+    # grad_accum micro-batches a step, + clipping and the AdamW update
+    step_time = (time.perf_counter() - t0) / 2 * cfg.grad_accum * 1.03
     t0 = time.perf_counter()
-    model.forward(batches[0][0])
+    model.forward(x)
     eval_time = (time.perf_counter() - t0) * cfg.eval_batches + (0.002 * cfg.sample_tokens)
     per_step = step_time + eval_time / cfg.eval_interval
     steps = run.world.broadcast_int(max(1, int(budget_left / per_step)))
@@ -400,30 +424,6 @@ def log_header(run: Run, preset_name: str | None, log) -> None:
             "reaches its peak or decays (lower --warmup-steps for short runs)")
 
 
-class StopFlag:
-    """Ctrl-C asks the loop to stop at the next step boundary (then save); a second one aborts."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = None
-
-    def __enter__(self):
-        try:
-            self._old = signal.signal(signal.SIGINT, self._handler)
-        except ValueError:          # not the main thread: no handler, Ctrl-C behaves as usual
-            self._old = None
-        return self
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-
 class Loop:
     """The steps of a run between two evaluations, and the evaluations and checkpoints themselves."""
 
@@ -436,6 +436,7 @@ class Loop:
         self.watch = DivergenceWatch(run.model.config.vocab_size, cfg.batch_size * cfg.seq_len * cfg.grad_accum,
                                      run.best_loss, min((v for _, v in run.history), default=None))
         self.param_norm = parameter_norm(run.model.params)
+        self.signal = None              # the stop signal that ended the run, if one did
 
     def _kept(self) -> str:
         run = self.run
@@ -502,8 +503,8 @@ class Loop:
         run, cfg = self.run, self.run.cfg
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.decay_steps, cfg.min_lr)
-        batches = [get_batch(run.corpus.train_ids, cfg.batch_size, cfg.seq_len, run.data_rng)
-                   for _ in range(cfg.grad_accum)]
+        batches = (get_batch(run.corpus.train_ids, cfg.batch_size, cfg.seq_len, run.data_rng)
+                   for _ in range(cfg.grad_accum))         # drawn one at a time, as the step uses them
         loss, norm = train_step(run.model, run.optimizer, batches, lr, cfg.grad_clip, run.world)
         broken = f"the gradient norm is {norm}" if not math.isfinite(norm) and math.isfinite(loss) else None
         before, self.param_norm = self.param_norm, parameter_norm(run.model.params)
@@ -528,40 +529,56 @@ class Loop:
         self.console.progress(f"step {step + 1}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                               f"{tok_s:,.0f} tok/s | ETA {format_duration(max(eta, 0.0))}", step + 1, cfg.log_interval)
 
-    def run_until_done(self) -> tuple[int, str]:
-        """Train until max_steps, the time budget or Ctrl-C; evaluate and checkpoint on the way.
+    def run_until_done(self, stop: StopRequest | None = None) -> tuple[int, str]:
+        """Train until max_steps, the time budget or a stop signal; evaluate and checkpoint on the way.
 
-        Returns the step reached and why it stopped ("max_steps", "time_budget", "interrupted",
-        "output_closed": the reader of the console went away).
+        Returns the step reached and why it stopped ("max_steps", "time_budget", "interrupted": a
+        SIGINT, SIGTERM or SIGHUP, then in self.signal; "output_closed": the reader of the console
+        went away). stop: what the loop polls between steps (default: a StopRequest of this
+        process's signals). The first signal ends the run at the next step boundary, after an
+        evaluation and a checkpoint; a second raises KeyboardInterrupt at once, its message saying
+        which checkpoint is kept (an atomic write it interrupts leaves no partial file).
         """
+        with stop or StopRequest() as stop:
+            try:
+                step, stopped = self._train(stop)
+            except KeyboardInterrupt as e:
+                if not stop.requested:
+                    raise
+                raise KeyboardInterrupt(*(e.args or (stop.signal,))[:1],
+                                        f"a second signal stopped training at once; {self._kept()}") from None
+        self.signal = stop.signal
+        return step, stopped
+
+    def _train(self, stop: StopRequest) -> tuple[int, str]:
         run, cfg = self.run, self.run.cfg
         step, stopped = run.start_step, "max_steps"
-        with StopFlag() as stop:
-            while True:
-                if step % cfg.eval_interval == 0 or step >= cfg.max_steps:
-                    if not (cfg.resume and step == run.start_step):      # the checkpoint already holds this
-                        self.evaluate(step)
-                        if step > run.start_step:
-                            self.checkpoint(step)
-                if step >= cfg.max_steps:
-                    break
-                # decided together: the ranks' clocks and Ctrl-Cs differ (one process: as they are)
-                over_budget, interrupted, closed = run.world.any_of(
-                    cfg.time_budget and time.perf_counter() - self.run_start >= cfg.time_budget,
-                    stop.requested, self.console.closed)
-                if over_budget:
-                    stopped = "time_budget"
-                    break
-                if interrupted or closed:
-                    stopped = "interrupted" if interrupted else "output_closed"
-                    break
-                self.train_one_step(step)
-                step += 1
-            if stopped != "max_steps" and run.saved_step != step:
-                why = {"time_budget": "time budget reached", "interrupted": "Ctrl-C"}.get(stopped, "output closed")
-                self.console.log(f"stopping at step {step} ({why})")
-                self.evaluate(step)
-                self.checkpoint(step)
+        while True:
+            if step % cfg.eval_interval == 0 or step >= cfg.max_steps:
+                if not (cfg.resume and step == run.start_step):      # the checkpoint already holds this
+                    self.evaluate(step)
+                    if step > run.start_step:
+                        self.checkpoint(step)
+            if step >= cfg.max_steps:
+                break
+            # decided together: the ranks' clocks and stop signals differ (one process: as they are)
+            over_budget, interrupted, closed = run.world.any_of(
+                cfg.time_budget and time.perf_counter() - self.run_start >= cfg.time_budget,
+                stop.poll(), self.console.closed)
+            if over_budget:
+                stopped = "time_budget"
+                break
+            if interrupted or closed:
+                stopped = "interrupted" if interrupted else "output_closed"
+                break
+            self.train_one_step(step)
+            step += 1
+        if stopped != "max_steps" and run.saved_step != step:
+            why = {"time_budget": "time budget reached", "output_closed": "output closed"}.get(
+                stopped, stop.signal.name if stop.signal else "a stop signal on another rank")
+            self.console.log(f"stopping at step {step} ({why})")
+            self.evaluate(step)
+            self.checkpoint(step)
         return step, stopped
 
 
@@ -602,7 +619,7 @@ def finish(run: Run, loop: Loop, step: int, stopped: str, log) -> TrainResult:
         log(f"  loss curve  the chart above; {PLOT_NAME} not drawn: matplotlib is not installed "
             f"(pip install matplotlib), then: npllama plot {out_dir}")
     return TrainResult(step, run.val_loss, run.ckpt_path if run.saved_step is not None else None, loop.metrics.path,
-                       png, stopped, elapsed, final_val, run.history)
+                       png, stopped, elapsed, final_val, run.history, loop.signal)
 
 
 def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None = None,
