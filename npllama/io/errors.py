@@ -28,3 +28,12 @@ PICKLE_HINT = (
     "safetensors instead, e.g. `python tools/export_torch.py --hf FOLDER --out OUT_FOLDER`, or in "
     "Python `model.save_pretrained(out_dir, safe_serialization=True)` for a transformers model, or "
     "`safetensors.torch.save_file(state_dict, 'model.safetensors')` with a config.json beside it")
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file that is corrupt or truncated, or holds what npllama cannot compute (the message says which)."""
+
+
+class UnsupportedGGUFError(GGUFError):
+    """A valid GGUF file of a kind npllama does not run: another architecture, a tensor type it
+    cannot dequantize, RoPE scaling, experts."""
