@@ -300,7 +300,7 @@ def test_what_npllama_cannot_run_is_refused_in_one_line(good, tmp_path, case):
         "nan": (dict(tensors=_edit_tensor(q, lambda t: t._replace(data=np.full(t.data.size // 4, np.nan, np.float32)))),
                 CheckpointError, "NaN"),
         "missing key": (dict(metadata=_edit_meta("llama.block_count")), GGUFError, "llama.block_count"),
-        "wrong key type": (dict(metadata=_edit_meta("llama.block_count", STRING, "2")), GGUFError, "not a int"),
+        "wrong key type": (dict(metadata=_edit_meta("llama.block_count", STRING, "2")), GGUFError, "type string where int belongs"),
     }
     if case in edits:
         kw, error, match = edits[case]

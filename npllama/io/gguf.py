@@ -123,6 +123,9 @@ def tensor_nbytes(shape, type_id: int, what: str = "tensor") -> int:
     return math.prod(shape) // t.block_size * t.type_size
 
 
+_STRUCTS = {"<Q": struct.Struct("<Q"), "<I": struct.Struct("<I")}
+
+
 class _Cursor:
     """Reads the header of a mapped file front to back, checking each read against the file's end."""
 
@@ -141,7 +144,10 @@ class _Cursor:
         return out
 
     def unpack(self, fmt: str, what: str):
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+        packer = _STRUCTS[fmt]
+        self.need(packer.size, what)
+        self.pos += packer.size
+        return packer.unpack_from(self.buf, self.pos - packer.size)[0]
 
     def string(self, what: str) -> str:
         n = self.unpack("<Q", what)
@@ -150,6 +156,26 @@ class _Cursor:
             return bytes(raw).decode("utf-8")
         except UnicodeDecodeError:
             raise GGUFError(f"{self.path}: {what} is not UTF-8 text; the file is corrupt") from None
+
+    def _strings(self, count: int, what: str) -> list[str]:
+        """count strings in a row: string() unrolled, since a vocabulary holds 32,000 to 150,000."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        unpack = _STRUCTS["<Q"].unpack_from
+        for i in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, f"{what}[{i}]")
+            (n,) = unpack(buf, pos)
+            if n > size - pos - 8:
+                self.pos = pos + 8
+                self.need(n, f"{what}[{i}] ({n}-byte string)")
+            try:
+                out.append(str(buf[pos + 8:pos + 8 + n], "utf-8"))
+            except UnicodeDecodeError:
+                raise GGUFError(f"{self.path}: {what}[{i}] is not UTF-8 text; the file is corrupt") from None
+            pos += 8 + n
+        self.pos = pos
+        return out
 
     def value(self, vtype: int, what: str):
         if vtype == STRING:
@@ -161,7 +187,7 @@ class _Cursor:
                 raise GGUFError(f"{self.path}: {what} is an array of arrays, which GGUF does not allow; corrupt file")
             if etype == STRING:
                 self.need(8 * count, f"{what} ({count} strings)")   # each at least its 8-byte length
-                return [self.string(f"{what}[{i}]") for i in range(count)]
+                return self._strings(count, what)
             dtype = self._dtype(etype, what)
             raw = self.take(count * dtype.itemsize, f"{what} ({count} x {TYPE_NAMES[etype]})")
             arr = np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
@@ -282,7 +308,7 @@ _KINDS = {  # kind -> (accepted value types, accepted array element types or Non
 
 def _type_name(vtype: int, value) -> str:
     if vtype == ARRAY:
-        return "array" if not len(value) else f"array of {type(value[0]).__name__ if isinstance(value, list) else value.dtype}"
+        return "array of strings" if isinstance(value, list) else f"array of {value.dtype}"
     return TYPE_NAMES.get(vtype, str(vtype))
 
 
@@ -302,8 +328,8 @@ def get_value(metadata: dict, key: str, kind: str, source, default=_REQUIRED):
         ok = (isinstance(value, list) and STRING in elements) or (
             isinstance(value, np.ndarray) and value.dtype.kind in ("iu" if elements == INTEGER_TYPES else "iuf"))
     if not ok:
-        raise GGUFError(f"{source}: metadata {key!r} is a {_type_name(vtype, value)}, not a {kind}; the file is "
-                        "corrupt or not a LLaMA GGUF")
+        raise GGUFError(f"{source}: metadata {key!r} has type {_type_name(vtype, value)} where {kind} belongs; "
+                        "the file is corrupt or not a LLaMA GGUF")
     return float(value) if kind == "float" else value
 
 

@@ -211,8 +211,9 @@ def _sentencepiece_from_gguf(metadata, source, tokens, types) -> SentencePieceTo
     if ids["unk_id"] is None:
         unknown = [i for i, t in enumerate(types) if t == UNKNOWN]
         ids["unk_id"] = unknown[0] if unknown else None
-    pieces = [Piece(t, float(s), int(k) if int(k) in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else NORMAL)
-              for t, s, k in zip(tokens, scores, types)]
+    known = {NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE}
+    pieces = [Piece(t, s, k if k in known else NORMAL)
+              for t, s, k in zip(tokens, np.asarray(scores, np.float64).tolist(), np.asarray(types).tolist())]
     for attr in ("bos_id", "eos_id", "pad_id"):     # sentencepiece requires its specials to be control pieces
         if ids[attr] is not None and pieces[ids[attr]].type != CONTROL:
             ids[attr] = None
@@ -289,5 +290,5 @@ def tokenizer_from_gguf(metadata: dict, source) -> tuple[object, str | None]:
         if kind == "gpt2":
             return _gpt2_from_gguf(metadata, source, tokens, types), None
     except NpllamaError as e:
-        return None, f"{source}: cannot run the file's {kind!r} tokenizer: {e}"
+        return None, f"{source}: cannot run the file's {kind!r} tokenizer: {str(e).removeprefix(f'{source}: ')}"
     return None, f"{source}: tokenizer.ggml.model {kind!r} is not a kind npllama runs (llama, gpt2, rwkv)"

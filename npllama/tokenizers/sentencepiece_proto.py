@@ -45,6 +45,8 @@ class Normalizer(NamedTuple):
 
 
 def _varint(n: int) -> bytes:
+    if 0 <= n < 128:
+        return _SMALL[n]
     if n < 0:
         n += 1 << 64            # protobuf writes negative int32 as ten-byte two's complement
     out = bytearray()
@@ -53,6 +55,9 @@ def _varint(n: int) -> bytes:
         out.append(byte | (0x80 if n else 0))
         if not n:
             return bytes(out)
+
+
+_SMALL = [bytes([n]) for n in range(128)]
 
 
 def _field(number: int, wire: int, payload: bytes) -> bytes:
@@ -73,9 +78,11 @@ def build_model_proto(pieces, *, model_type: int = BPE, unk_id: int | None = Non
     """The serialized ModelProto of `pieces` ([Piece] in id order) and these settings; an id that
     is None is written as -1 (sentencepiece's "none")."""
     out = []
+    score_key, type_key = _varint(2 << 3 | 5), _varint(3 << 3 | 0)
     for p in pieces:
-        body = _bytes_field(1, p.piece.encode("utf-8")) + _field(2, 5, struct.pack("<f", p.score))
-        out.append(_bytes_field(1, body + _int_field(3, p.type)))
+        body = b"".join((_bytes_field(1, p.piece.encode("utf-8")), score_key, struct.pack("<f", p.score),
+                         type_key, _varint(p.type)))
+        out.append(_bytes_field(1, body))
     names = {40: unk_id, 41: bos_id, 42: eos_id, 43: pad_id}
     trainer = _int_field(3, model_type) + _int_field(4, len(pieces)) + _int_field(35, bool(byte_fallback))
     for number, token_id in names.items():
