@@ -367,3 +367,34 @@ def test_export_then_generate_from_the_gguf(tmp_path, capsys):
     assert "--type q8_0 is for --format gguf" in capsys.readouterr().err
     with pytest.raises(npllama.NpllamaError, match="ending in .gguf"):
         npllama.save(model, tmp_path / "x.bin", format="gguf")
+
+
+@pytest.mark.slow
+def test_the_docs_gguf_section_runs_as_written(tmp_path):
+    """docs/weights.md, section GGUF: its bash lines, then its python block, in a folder holding
+    stories260K.bin and tok512.model (the text block is for tools outside npllama)."""
+    import os
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+    for name in ("stories260K.bin", "tok512.model"):
+        (tmp_path / name).symlink_to(data_file(name))
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "weights.md").read_text(encoding="utf-8")
+    section = docs.split("\n## GGUF\n")[1].split("\n## ")[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    bash = [line for lang, body in blocks if lang == "bash" for line in body.splitlines() if line.strip()]
+    python = [body for lang, body in blocks if lang == "python"]
+    assert len(bash) == 2 and len(python) == 1
+    env = dict(os.environ, PYTHONPATH=str(Path(npllama.__file__).resolve().parents[1]))
+    for line in bash:
+        argv = shlex.split(line)
+        proc = subprocess.run([sys.executable, "-m", "npllama", *argv[1:]], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Once upon a time")
+    proc = subprocess.run([sys.executable, "-c", python[0]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "stories260K-f32.gguf").is_file()

@@ -184,6 +184,27 @@ def test_llama_cpps_tokenizer_gives_npllamas_ids_on_tinyshakespeare(tmp_path, to
     assert llm.detokenize(ours[1]).decode("utf-8").strip() == lines[1].strip()
 
 
+@pytest.mark.parametrize("variant", ["llama", "legacy-file"])
+def test_a_tokenizer_json_written_as_a_llama_vocabulary_tokenizes_alike(tmp_path, variant):
+    """A Llama-family tokenizer.json (as transformers 5 writes it for a tokenizer.model, here
+    tok512's: LlamaTokenizer's Metaspace layout, or the Hub's legacy normalizer) becomes a "llama"
+    vocabulary whose scores follow the merge ranks: llama.cpp's tokenizer and npllama's reading
+    of the file give the ids the tokenizer.json gives."""
+    from .test_tokenizer_json import _make
+    pytest.importorskip("transformers", reason="transformers is not installed (it writes the tokenizer.json)")
+    data_file("tok512.model")
+    ours, _ = _make("tok512.model", variant, tmp_path)
+    model = tiny_model(dim=8, n_heads=2, n_kv_heads=2, hidden_dim=8, vocab_size=ours.vocab_size)
+    model.tokenizer = ours
+    path = npllama.save(model, tmp_path / "m.gguf", format="gguf")
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    lines = [line for line in data_file("tinyshakespeare.txt").read_text(encoding="utf-8").split("\n") if line][:5000]
+    expected = [ours.encode(line) for line in lines]
+    assert [llm.tokenize(line.encode("utf-8"), add_bos=False, special=False) for line in lines] == expected
+    back = npllama.load(path).tokenizer
+    assert [back.encode(line) for line in lines] == expected
+
+
 def _converter() -> Path:
     value = os.environ.get(CONVERTER_VAR)
     if not value:
