@@ -63,6 +63,7 @@ from .gguf import (ARRAY, FLOAT32, GGML_TYPE_IDS, STRING, UINT32, TensorToWrite,
                    write_gguf_atomic)
 from .gguf_quant import DEQUANTIZERS, SUPPORTED, dequantize, quantize_q8_0
 from .gguf_vocab import tokenizer_from_gguf, vocab_metadata
+from .hf import rename_parameter
 from .safetensors import release_pages
 
 ARCH = "llama"
@@ -92,20 +93,12 @@ _NATIVE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}     # held as
 
 def gguf_to_meta_name(name: str) -> str | None:
     """Meta name of a GGUF LLaMA tensor name, or None."""
-    if name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[name]
-    m = _GGUF_LAYER.match(name)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"layers.{int(m.group(1))}.{LAYER_NAMES[m.group(2)]}"
-    return None
+    return rename_parameter(name, GLOBAL_NAMES, _GGUF_LAYER, LAYER_NAMES, "layers.")
 
 
-def meta_to_gguf_name(name: str) -> str:
-    """GGUF name of a Meta parameter name."""
-    if name in _META_GLOBAL:
-        return _META_GLOBAL[name]
-    m = _META_LAYER_RE.match(name)
-    return f"blk.{m.group(1)}.{_META_LAYER[m.group(2)]}"
+def meta_to_gguf_name(name: str) -> str | None:
+    """GGUF name of a Meta parameter name, or None."""
+    return rename_parameter(name, _META_GLOBAL, _META_LAYER_RE, _META_LAYER, "blk.")
 
 
 # ----------------------------------------------------------------------------- reading
