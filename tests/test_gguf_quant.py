@@ -59,7 +59,7 @@ def test_dequantization_follows_the_documented_formulas():
 @settings(max_examples=100)
 @given(x=hnp.arrays(np.float32, st.integers(1, 4).map(lambda n: 32 * n),
                     elements=st.one_of(st.floats(-1e4, 1e4, width=32),
-                                       st.sampled_from([0.0, -0.0, 0.5, -0.5, 1.5, 127.0, -127.5, 1e-30]))))
+                                       st.sampled_from([0.0, -0.0, 0.5, -0.5, 1.5, 127.0, -127.5, float(np.float32(1e-30))]))))
 def test_q8_0_encoding_equals_ggufs_bit_for_bit(x):
     ours = quantize_q8_0(x)
     ref = np.asarray(ref_quantize(x.reshape(1, -1), gguf.GGMLQuantizationType.Q8_0)).reshape(ours.shape)

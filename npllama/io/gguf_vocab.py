@@ -31,7 +31,8 @@ Reading (tokenizer_from_gguf) builds an npllama tokenizer from the file's own vo
     "llama"   the ModelProto of those pieces, scores and types (normalizer "identity", the
               file's add_space_prefix and remove_extra_whitespaces, BPE: merge by score), run
               by sentencepiece as a SentencePieceTokenizer; so a GGUF converted from a
-              tokenizer.model encodes as that tokenizer.model does
+              tokenizer.model encodes as that tokenizer.model does. BOS and EOS are the file's
+              ids, else llama.cpp's defaults 1 and 2, when those are control pieces.
     "rwkv"    whose tokens are single characters: a CharTokenizer (what vocab_metadata writes)
     "gpt2"    byte-level BPE (tokens, merges): a tokenizer.json with the pre-tokenizer
               tokenizer.ggml.pre names (llama.cpp's regexes for "default", "gpt-2", "llama-bpe"),
@@ -208,6 +209,9 @@ def _sentencepiece_from_gguf(metadata, source, tokens, types) -> SentencePieceTo
     if len(scores) < len(tokens):
         raise NpllamaError(f"{len(scores)} scores for {len(tokens)} tokens")
     ids = _special_ids(metadata, source, len(tokens))
+    for attr, default in (("bos_id", 1), ("eos_id", 2)):     # llama.cpp's defaults for a "llama" vocabulary
+        if PREFIX + {v: k for k, v in _SPECIALS.items()}[attr] not in metadata and default < len(tokens):
+            ids[attr] = default
     if ids["unk_id"] is None:
         unknown = [i for i, t in enumerate(types) if t == UNKNOWN]
         ids["unk_id"] = unknown[0] if unknown else None
