@@ -27,7 +27,7 @@ import pytest
 
 import npllama
 from npllama.io.gguf import read_gguf
-from npllama.tokenizers import SentencePieceTokenizer
+from npllama.tokenizers import SentencePieceTokenizer, train_sentencepiece
 from npllama.tokenizers.sentencepiece_proto import read_normalizer
 
 from .conftest import data_file
@@ -151,9 +151,11 @@ def _normalize_spaces(text: str) -> str:
     return " ".join(piece for piece in text.split(" ") if piece)
 
 
-@pytest.mark.parametrize("tokenizer", ["char", "tok512.model", "llama2-tokenizer.model"])
+@pytest.mark.slow
+@pytest.mark.parametrize("tokenizer", ["char", "bpe", "tok512.model", "llama2-tokenizer.model"])
 def test_llama_cpps_tokenizer_gives_npllamas_ids_on_tinyshakespeare(tmp_path, tokenizer):
-    """Every line of TinyShakespeare. tok512 was trained with sentencepiece's
+    """Every line of TinyShakespeare, for the tokenizers `npllama train` makes (characters; "bpe":
+    train_sentencepiece, as --tokenizer bpe) and two sentencepiece files. tok512 was trained with sentencepiece's
     remove_extra_whitespaces, which llama.cpp's SPM tokenizer does not apply (it has no such
     step): on lines with leading, trailing or repeated spaces llama.cpp then needs the text with
     those spaces removed, as sentencepiece removes them, to give the same ids."""
@@ -162,7 +164,8 @@ def test_llama_cpps_tokenizer_gives_npllamas_ids_on_tinyshakespeare(tmp_path, to
     if tokenizer == "char":
         model, _ = _shakespeare()
     else:
-        tok = SentencePieceTokenizer.from_file(data_file(tokenizer))
+        tok = (train_sentencepiece(text[:300_000], 512) if tokenizer == "bpe"
+               else SentencePieceTokenizer.from_file(data_file(tokenizer)))
         model = tiny_model(dim=8, n_heads=2, n_kv_heads=2, hidden_dim=8, vocab_size=tok.vocab_size)
         model.tokenizer = tok
         strip_spaces = read_normalizer(tok.model_proto).remove_extra_whitespaces
@@ -184,6 +187,7 @@ def test_llama_cpps_tokenizer_gives_npllamas_ids_on_tinyshakespeare(tmp_path, to
     assert llm.detokenize(ours[1]).decode("utf-8").strip() == lines[1].strip()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["llama", "legacy-file"])
 def test_a_tokenizer_json_written_as_a_llama_vocabulary_tokenizes_alike(tmp_path, variant):
     """A Llama-family tokenizer.json (as transformers 5 writes it for a tokenizer.model, here
