@@ -369,6 +369,19 @@ def test_export_then_generate_from_the_gguf(tmp_path, capsys):
         npllama.save(model, tmp_path / "x.bin", format="gguf")
 
 
+def test_a_training_run_exports_a_gguf(text_file, tmp_path):
+    """`npllama train --export run.gguf`: the trained model, float32, with its character vocabulary."""
+    import io
+    from npllama.train import train
+    from npllama.train.checkpoint import load_train_checkpoint
+    from .conftest import tiny_cfg
+    export = tmp_path / "run.gguf"
+    res = train(tiny_cfg(text_file, tmp_path / "run", max_steps=3, export=str(export)), out=io.StringIO())
+    exported, trained = npllama.load(export), load_train_checkpoint(res.checkpoint).model
+    assert exported.tokenizer == trained.tokenizer
+    assert all(np.array_equal(exported.params[n], trained.params[n]) for n in trained.params)
+
+
 @pytest.mark.slow
 def test_the_docs_gguf_section_runs_as_written(tmp_path):
     """docs/weights.md, section GGUF: its bash lines, then its python block, in a folder holding
