@@ -53,8 +53,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     fmt = getattr(args, "format", None) or export_format(args.out)
     if fmt is None:
-        raise NpllamaError(f"--out {args.out}: give a folder (Hugging Face) or a file ending in .safetensors, "
-                         "or say which with --format")
+        raise NpllamaError(f"--out {args.out}: give a folder (Hugging Face) or a file ending in .safetensors or "
+                           ".gguf, or say which with --format")
     gguf_type = getattr(args, "type", None)
     if gguf_type is not None and fmt != "gguf":
         raise NpllamaError(f"--type {gguf_type} is for --format gguf; for {fmt} use --dtype")
