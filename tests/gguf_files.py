@@ -32,3 +32,25 @@ def rewrite(src, dst, metadata=None, tensors=None):
         items = tensors(items)
     write_gguf_atomic(dst, as_entries(meta), items)
     return dst
+
+
+def byte_level_bpe(text, vocab_size=400):
+    """(tokenizers.Tokenizer, GGUF metadata {key: (type, value)}) of a GPT-2-style byte-level BPE
+    trained on text, as llama.cpp's converter writes such a vocabulary (tokenizer.ggml.model "gpt2")."""
+    import json
+
+    import tokenizers
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    bpe.train_from_iterator([text], tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    vocab = bpe.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(bpe.to_str())["model"]["merges"]]
+    metadata = {"tokenizer.ggml.model": (8, "gpt2"), "tokenizer.ggml.pre": (8, "gpt-2"),
+                "tokenizer.ggml.tokens": (9, tokens), "tokenizer.ggml.merges": (9, merges),
+                "tokenizer.ggml.token_type": (9, np.array([3] + [1] * (len(tokens) - 1), np.int32)),
+                "tokenizer.ggml.eos_token_id": (4, 0), "tokenizer.ggml.bos_token_id": (4, 0)}
+    return bpe, metadata

@@ -24,7 +24,7 @@ from npllama.storage import to_float, to_storage
 from npllama.tokenizers import CharTokenizer, SentencePieceTokenizer
 
 from .conftest import data_file
-from .gguf_files import TEXT, rewrite, tiny_model
+from .gguf_files import TEXT, byte_level_bpe, rewrite, tiny_model
 
 
 def _one_line_error(excinfo):
@@ -197,25 +197,12 @@ def test_char_vocabulary_is_rwkv_escaped_and_reads_back(tmp_path):
     assert tokenizer_from_gguf(gf.metadata, path) == (tok, None)
 
 
-def test_byte_level_bpe_vocabulary_runs_through_tokenizers(tmp_path):
+def test_byte_level_bpe_vocabulary_runs_through_tokenizers():
     """A gpt2-style GGUF vocabulary (Llama 3 and SmolLM files) encodes as the tokenizer it came from."""
-    tokenizers = pytest.importorskip("tokenizers", reason="Hugging Face's `tokenizers` package is not installed")
+    pytest.importorskip("tokenizers", reason="Hugging Face's `tokenizers` package is not installed")
     from npllama.io.gguf_vocab import tokenizer_from_gguf
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
     text = data_file("tinyshakespeare.txt").read_text()
-    bpe.train_from_iterator([text[:200_000]], tokenizers.trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    vocab = bpe.get_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    import json
-    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(bpe.to_str())["model"]["merges"]]
-    meta = {"tokenizer.ggml.model": (STRING, "gpt2"), "tokenizer.ggml.pre": (STRING, "gpt-2"),
-            "tokenizer.ggml.tokens": (9, tokens), "tokenizer.ggml.merges": (9, merges),
-            "tokenizer.ggml.token_type": (9, np.array([3] + [1] * (len(tokens) - 1), np.int32)),
-            "tokenizer.ggml.eos_token_id": (UINT32, 0)}
+    bpe, meta = byte_level_bpe(text[:200_000])
     tok, problem = tokenizer_from_gguf(meta, "x")
     assert problem is None and tok.eos_id == 0
     lines = text.split("\n")[:500]

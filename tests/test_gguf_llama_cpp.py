@@ -31,7 +31,7 @@ from npllama.tokenizers import SentencePieceTokenizer, train_sentencepiece
 from npllama.tokenizers.sentencepiece_proto import read_normalizer
 
 from .conftest import data_file
-from .gguf_files import tiny_model
+from .gguf_files import byte_level_bpe, rewrite, tiny_model
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (.ci/run builds it: "
                                                     "pip install llama-cpp-python)")
@@ -207,6 +207,29 @@ def test_a_tokenizer_json_written_as_a_llama_vocabulary_tokenizes_alike(tmp_path
     assert [llm.tokenize(line.encode("utf-8"), add_bos=False, special=False) for line in lines] == expected
     back = npllama.load(path).tokenizer
     assert [back.encode(line) for line in lines] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "default"])
+def test_a_byte_level_bpe_vocabulary_reads_as_llama_cpp_tokenizes(tmp_path, pre):
+    """A gpt2-style vocabulary (Llama 3's, SmolLM's) read by npllama (through `tokenizers`, with
+    llama.cpp's pre-tokenizer regexes) gives llama.cpp's ids."""
+    pytest.importorskip("tokenizers", reason="Hugging Face's `tokenizers` package is not installed")
+    text = data_file("tinyshakespeare.txt").read_text(encoding="utf-8")
+    _, vocab = byte_level_bpe(text[:200_000])
+    vocab["tokenizer.ggml.pre"] = (8, pre)
+    model = tiny_model(dim=8, n_heads=2, n_kv_heads=2, hidden_dim=8, vocab_size=len(vocab["tokenizer.ggml.tokens"][1]))
+    model.tokenizer = None
+    plain = npllama.save(model, tmp_path / "plain.gguf", format="gguf")
+    path = rewrite(plain, tmp_path / "bpe.gguf", metadata=lambda meta: {
+        **{k: v for k, v in meta.items() if not k.startswith("tokenizer.")}, **vocab})
+    ours = npllama.load(path).tokenizer
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    lines = [line for line in text.split("\n") if line][:5000] + [
+        "  two spaces, digits 12345 and 'quotes' ", "x\n\ny", "DON'T you'LL we've", "Ünïcödé, 中文字符 and émoji 🙂!",
+        "$100+200=300 <tag> ^~| a.b,c;d", "\t\ttabs\r\nand  \n  newlines"]
+    assert [llm.tokenize(s.encode("utf-8"), add_bos=False, special=False) for s in lines] == \
+        [ours.encode(s) for s in lines]
 
 
 def _converter() -> Path:
