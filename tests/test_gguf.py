@@ -330,6 +330,16 @@ def test_a_type_npllama_cannot_decode_is_named(tmp_path):
     assert "blk.1.ffn_up.weight is Q5_K" in _one_line_error(e) and "Q4_K" in str(e.value)
 
 
+def test_version_2_files_load_as_version_3(good, tmp_path):
+    """v2 and v3 share the layout (v3 only allows big-endian files, which are refused)."""
+    v2 = tmp_path / "v2.gguf"
+    v2.write_bytes(good.read_bytes())
+    _patch(v2, 4, "<I", 2)
+    assert read_gguf(v2).version == 2
+    a, b = npllama.load(v2), npllama.load(good)
+    assert all(np.array_equal(a.params[n], b.params[n]) for n in b.params) and a.tokenizer == b.tokenizer
+
+
 def test_loading_by_magic_without_the_suffix(good, tmp_path):
     plain = tmp_path / "model.bin.weights"
     plain.write_bytes(good.read_bytes())
