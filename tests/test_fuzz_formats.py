@@ -2,20 +2,25 @@
 
 Hypothesis mutates small valid files of each format: safetensors with Meta names and the config
 in the metadata, a Hugging Face folder (model.safetensors and config.json), llama2.c v0 and v1
-.bin files, and training checkpoints (read as --resume reads them). The mutations: truncation,
-bit flips in the header and in the data, appended bytes, and header or config fields replaced
-by a value of the wrong type or size. Every outcome must be either a model whose logits are
+.bin files, training checkpoints (read as --resume reads them), and GGUF files (float32 with a
+character vocabulary, Q8_0 with a sentencepiece one). The mutations: truncation, bit flips in
+the header and in the data, appended bytes, and header or config fields replaced by a value of
+the wrong type or size (for GGUF: any 4 or 8 header bytes overwritten by a count, length or
+type of any size, or a metadata entry rewritten with a value of another type or an absurd one). Every outcome must be either a model whose logits are
 finite or an NpllamaError, within a time bound (SIGALRM) and a memory bound (tracemalloc) per
 case, so a hang or a runaway allocation fails the test instead of stalling the suite. The
 memory npllama believes is available is set to MEMORY_AVAILABLE for the fuzzing: whatever a
 header makes it allocate beyond that must be refused by npllama.memory's check, not attempted.
 """
 
+import functools
 import json
 import math
 import signal
 import struct
+import tempfile
 import tracemalloc
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -27,10 +32,12 @@ import npllama
 from npllama import memory
 from npllama.io.llama2c import LLAMA2C_MAGIC
 from npllama.io.metadata import CHECKSUM_KEY
-from npllama.tokenizers import CharTokenizer
+from npllama.io.gguf import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, UINT64, read_gguf
+from npllama.tokenizers import CharTokenizer, train_sentencepiece
 from npllama.train import TrainConfig
 from npllama.train.checkpoint import load_train_checkpoint, rng_from_state, save_train_checkpoint
 
+from .gguf_files import rewrite
 from .test_checkpoint import _write_llama2c
 
 SECONDS_PER_CASE = 5          # generous: a clean refusal takes milliseconds
@@ -67,12 +74,19 @@ def originals(tmp_path_factory):
                            "tokens": 4, "val_loss": 1.9, "history": [[0, 1.9]], "text_sha256": "ab"})
     for version in (0, 1):
         _write_llama2c(root / f"v{version}.bin", model, version)
+    npllama.save(model, root / "char.gguf", format="gguf")
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpeak, speak.\n" * 3
+    spm = npllama.Llama(npllama.LlamaConfig(dim=32, n_layers=1, n_heads=2, vocab_size=300, hidden_dim=32,
+                                            max_seq_len=8), seed=1)
+    spm.tokenizer = train_sentencepiece(text, 300)
+    npllama.save(spm, root / "spm.gguf", format="gguf", dtype="q8_0")
 
     def read(*names):
         return {name: (root / name).read_bytes() for name in names}
 
     return {"meta": read("meta.safetensors"), "hf": read("hf/model.safetensors", "hf/config.json"),
-            "ckpt": read("ckpt.safetensors"), "v0": read("v0.bin"), "v1": read("v1.bin")}
+            "ckpt": read("ckpt.safetensors"), "v0": read("v0.bin"), "v1": read("v1.bin"),
+            "gguf": read("char.gguf"), "gguf-spm": read("spm.gguf")}
 
 
 def _json_paths(obj, prefix=()):
@@ -116,23 +130,50 @@ def _mutate_safetensors_header(raw: bytes, data) -> bytes:
     return struct.pack("<Q", len(body)) + body + raw[8 + n:]
 
 
+GGUF_BAD_VALUES = [(UINT32, 0), (UINT32, 2 ** 32 - 1), (UINT64, 2 ** 63), (INT32, -1), (FLOAT32, float("nan")),
+                   (FLOAT32, float("inf")), (FLOAT32, 0.0), (STRING, ""), (STRING, "x"), (BOOL, True),
+                   (ARRAY, (UINT32, [])), (ARRAY, (STRING, ["", ""])), (ARRAY, (INT32, [-5, 99]))]
+
+
+def _mutate_gguf_metadata(raw: bytes, data) -> bytes:
+    """Rewrite the file with one metadata entry given another type or an absurd value (or removed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "in.gguf", Path(tmp) / "out.gguf"
+        src.write_bytes(raw)
+        key = data.draw(st.sampled_from(sorted(read_gguf(src).metadata)))
+        bad = data.draw(st.sampled_from(GGUF_BAD_VALUES + [None]))
+
+        def edit(meta):
+            if bad is None:
+                del meta[key]
+            else:
+                vtype, value = bad
+                meta[key] = (vtype, np.asarray(value[1], dtype={UINT32: "<u4", INT32: "<i4"}[value[0]])
+                             if vtype == ARRAY and value[0] != STRING else value[1] if vtype == ARRAY else value)
+            return meta
+        rewrite(src, dst, metadata=edit)
+        return dst.read_bytes()
+
+
+@functools.lru_cache(maxsize=4)      # called with the same original file every case
+def _gguf_header_end(raw: bytes) -> int:
+    """Where the tensor data starts: the smallest tensor offset, found by the reader itself."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "f.gguf").write_bytes(raw)
+        return min(t.start for t in read_gguf(Path(tmp) / "f.gguf").tensors.values())
+
+
 def _mutate(raw: bytes, kind: str, data) -> bytes:
-    """One mutation of a file's bytes (kind: 'safetensors', 'bin' or 'json')."""
+    """One mutation of a file's bytes (kind: 'safetensors', 'bin', 'json' or 'gguf')."""
+    if kind == "gguf":
+        return _mutate_gguf(raw, data)
     if kind == "safetensors":
         header_end = 8 + struct.unpack("<Q", raw[:8])[0]
     else:
         header_end = 256 if struct.unpack("<I", raw[:4])[0] == LLAMA2C_MAGIC else 28
     what = data.draw(st.sampled_from(["truncate", "flip_header", "flip_data", "append", "field"]))
-    if what == "truncate":
-        return raw[:data.draw(st.integers(0, len(raw) - 1))]
-    if what in ("flip_header", "flip_data"):
-        lo, hi = (0, header_end) if what == "flip_header" or kind == "json" else (header_end, len(raw))
-        out = bytearray(raw)
-        for _ in range(data.draw(st.integers(1, 3))):
-            out[data.draw(st.integers(lo, hi - 1))] ^= 1 << data.draw(st.integers(0, 7))
-        return bytes(out)
-    if what == "append":
-        return raw + data.draw(st.binary(min_size=1, max_size=64))
+    if what != "field":
+        return _mutate_bytes(raw, "flip_header" if kind == "json" and what == "flip_data" else what, header_end, data)
     if kind == "json":
         return _mutate_json(raw.decode(), data).encode()
     if kind == "safetensors":
@@ -141,6 +182,33 @@ def _mutate(raw: bytes, kind: str, data) -> bytes:
     head = bytearray(raw[:header_end])
     struct.pack_into("<i", head, offset + 4 * data.draw(st.integers(0, 6)), data.draw(st.integers(-2 ** 31, 2 ** 31 - 1)))
     return bytes(head) + raw[header_end:]
+
+
+def _mutate_gguf(raw: bytes, data) -> bytes:
+    header_end = _gguf_header_end(raw)
+    what = data.draw(st.sampled_from(["truncate", "flip_header", "flip_data", "append", "field", "metadata"]))
+    if what == "metadata":
+        return _mutate_gguf_metadata(raw, data)
+    if what != "field":
+        return _mutate_bytes(raw, what, header_end, data)
+    size = data.draw(st.sampled_from([4, 8]))
+    at = data.draw(st.integers(0, header_end - size))
+    value = data.draw(st.one_of(st.sampled_from([0, 1, 2, 3, 31, 2 ** 31, 2 ** 32 - 1, 2 ** 62, 2 ** 64 - 1]),
+                                st.integers(0, 2 ** 64 - 1)))
+    return raw[:at] + (value % 2 ** (8 * size)).to_bytes(size, "little") + raw[at + size:]
+
+
+def _mutate_bytes(raw: bytes, what: str, header_end: int, data) -> bytes:
+    """The format-blind mutations: truncation, bit flips in the header or the data, appended bytes."""
+    if what == "truncate":
+        return raw[:data.draw(st.integers(0, len(raw) - 1))]
+    if what in ("flip_header", "flip_data"):
+        lo, hi = (0, header_end) if what == "flip_header" else (header_end, len(raw))
+        out = bytearray(raw)
+        for _ in range(data.draw(st.integers(1, 3))):
+            out[data.draw(st.integers(lo, hi - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        return bytes(out)
+    return raw + data.draw(st.binary(min_size=1, max_size=64))
 
 
 def _resume_parts(path):
@@ -179,6 +247,8 @@ FORMATS = {  # case: (the originals, the file to mutate, its kind, how to load, 
     "llama2c-v1": ("v1", "v1.bin", "bin", npllama.load, "v1.bin"),
     "checkpoint-load": ("ckpt", "ckpt.safetensors", "safetensors", npllama.load, "ckpt.safetensors"),
     "checkpoint-resume": ("ckpt", "ckpt.safetensors", "safetensors", _resume_parts, "ckpt.safetensors"),
+    "gguf-char-f32": ("gguf", "char.gguf", "gguf", npllama.load, "char.gguf"),
+    "gguf-spm-q8_0": ("gguf-spm", "spm.gguf", "gguf", npllama.load, "spm.gguf"),
 }
 
 

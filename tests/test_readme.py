@@ -103,6 +103,9 @@ COVERAGE = {
     "npllama generate -m stories260K.bin --tokenizer tok512.model --dtype bfloat16 -p \"Once upon a time\"":
         Run(needs=STORIES, stdout="Once upon a time"),
     "npllama generate --help": Run(stdout="--max-new-tokens"),
+    # Weights in and out
+    "npllama export -m stories260K.bin --tokenizer tok512.model -o stories260K.gguf --type q8_0": Run(needs=STORIES),
+    "npllama generate -m stories260K.gguf -p \"Once upon a time\"": Run(needs=STORIES, stdout="Once upon a time"),
     # Fine-tuning
     "npllama generate -m stories260K.bin --tokenizer tok512.model -p \"ROMEO:\" -n 60 -s 1": FINETUNE,
     "npllama train --init stories260K.bin --init-tokenizer tok512.model --lora-rank 8 --lr 1e-2 "
@@ -202,6 +205,7 @@ def sandbox(tmp_path_factory):
         model = npllama.load(box / STORIES[0])
         model.tokenizer = SentencePieceTokenizer.from_file(box / STORIES[1])
         npllama.save(model, box / "llama-folder", format="hf")
+        npllama.save(model, box / "stories260K.gguf", format="gguf")     # what the README's export writes
     return box
 
 

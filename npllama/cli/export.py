@@ -1,8 +1,9 @@
-"""`npllama export`: any checkpoint npllama reads, written as a Hugging Face folder or one Meta file.
+"""`npllama export`: any checkpoint npllama reads, written as a Hugging Face folder, one Meta file or a GGUF.
 
     npllama export -m runs/lora/ckpt.safetensors -o runs/lora/hf         # LoRA adapters merged: W + s B A
     npllama export -m runs/x/ckpt.safetensors -o model.safetensors      # Meta names, config inside
     npllama export -m stories260K.bin --tokenizer tok512.model -o stories260K-hf --dtype bfloat16
+    npllama export -m runs/x/ckpt.safetensors -o model.gguf --type q8_0  # for llama.cpp and ollama
 
 A LoRA training checkpoint is read with its base (which must be unchanged) and exported merged,
 so transformers' LlamaForCausalLM.from_pretrained(OUT) gives the fine-tuned model's logits.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from ..io import load, save
 from ..io.errors import OutputPathError
+from ..io.gguf_llama import WRITE_TYPES, write_type_name
 from ..io.outputs import (check_output_path, check_save_target, checkpoint_kind, model_inputs, refuse_inputs,
                           same_file)
 from ..tokenizers import SentencePieceTokenizer
@@ -30,21 +32,26 @@ from ..errors import NpllamaError
 
 
 DESCRIPTION = ("Read any checkpoint npllama reads (a training checkpoint, LoRA adapters with their base, an HF "
-               "folder, a .safetensors, a llama2.c .bin) and write the model alone: a folder that transformers' "
-               "LlamaForCausalLM.from_pretrained loads, or one .safetensors file with Meta names and the config "
-               "in its metadata. LoRA adapters are merged: W + (alpha / r) B A.")
+               "folder, a .safetensors, a llama2.c .bin, a GGUF) and write the model alone: a folder that "
+               "transformers' LlamaForCausalLM.from_pretrained loads, one .safetensors file with Meta names and "
+               "the config in its metadata, or a .gguf file that llama.cpp and ollama run. LoRA adapters are "
+               "merged: W + (alpha / r) B A.")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                              help="write a checkpoint as a Hugging Face folder or one .safetensors (LoRA merged)")
+                              help="write a checkpoint as a Hugging Face folder, one .safetensors or a .gguf (LoRA merged)")
     p.add_argument("-m", "--model", required=True, default=argparse.SUPPRESS, metavar="PATH", help="the checkpoint to export")
     p.add_argument("-o", "--out", required=True, default=argparse.SUPPRESS, metavar="PATH",
-                   help="a folder (Hugging Face layout), or a file ending in .safetensors (Meta names)")
-    p.add_argument("--format", choices=["hf", "meta"], default=argparse.SUPPRESS,
-                   help="hf: a transformers folder; meta: one .safetensors file [default: from --out]")
+                   help="a folder (Hugging Face layout), a file ending in .safetensors (Meta names) or in .gguf")
+    p.add_argument("--format", choices=["hf", "meta", "gguf"], default=argparse.SUPPRESS,
+                   help="hf: a transformers folder; meta: one .safetensors file; gguf: one file for llama.cpp "
+                        "[default: from --out]")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default="float32",
-                   help="dtype of the written tensors")
+                   help="dtype of the written tensors (hf, meta)")
+    p.add_argument("--type", choices=sorted(WRITE_TYPES), default=argparse.SUPPRESS,
+                   help="gguf: ggml type of the weight matrices (norms stay f32; q8_0 is llama.cpp's 8-bit blocks, "
+                        "weights whose rows are not a multiple of 32 become f16) [default: from --dtype]")
     p.add_argument("--tokenizer", default=argparse.SUPPRESS, metavar="SPM_FILE",
                    help="a sentencepiece .model to write with the model (for a llama2.c .bin, which has none) "
                         "[default: the checkpoint's]")
@@ -74,19 +81,30 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_path(args.out, "--out", whole=True)
     fmt = getattr(args, "format", None) or export_format(args.out)
     if fmt is None:
-        raise NpllamaError(f"--out {args.out}: give a folder (Hugging Face) or a file ending in .safetensors, "
-                         "or say which with --format")
+        raise NpllamaError(f"--out {args.out}: give a folder (Hugging Face) or a file ending in .safetensors or "
+                           ".gguf, or say which with --format")
+    gguf_type = getattr(args, "type", None)
+    if gguf_type is not None and fmt != "gguf":
+        raise NpllamaError(f"--type {gguf_type} is for --format gguf; for {fmt} use --dtype")
+    if fmt == "gguf" and gguf_type is not None and args.dtype != "float32":
+        raise NpllamaError("give --type (the GGUF tensor type) or --dtype, not both")
+    dtype = gguf_type or (write_type_name(args.dtype) if fmt == "gguf" else args.dtype)
     _refuse_inputs(out, args)
     check_save_target(out, fmt, args.overwrite_checkpoint, flag="--overwrite-checkpoint")
     model = load(args.model)
     if getattr(args, "tokenizer", None):
         model.tokenizer = SentencePieceTokenizer.from_file(args.tokenizer)
-    out = save(model, out, format=fmt, dtype=args.dtype, overwrite_checkpoint=args.overwrite_checkpoint)
+    out = save(model, out, format=fmt, dtype=dtype, overwrite_checkpoint=args.overwrite_checkpoint)
     cfg = model.config
-    print(f"[npllama export] {args.model} -> {out} ({fmt}, {args.dtype}; {cfg.n_params():,} params, dim {cfg.dim}, "
+    print(f"[npllama export] {args.model} -> {out} ({fmt}, {dtype}; {cfg.n_params():,} params, dim {cfg.dim}, "
           f"{cfg.n_layers} layers; tokenizer: {model.tokenizer!r})", file=sys.stderr)
     if fmt == "hf":
         if model.tokenizer is None:
             print(f"note: {hf_tokenizer_files(None).note}", file=sys.stderr)
         print(f"load it with: transformers.LlamaForCausalLM.from_pretrained({str(out)!r})", file=sys.stderr)
+    if fmt == "gguf":
+        if model.tokenizer is None:
+            print("note: the model has no tokenizer, so llama.cpp can only take token ids; pass --tokenizer",
+                  file=sys.stderr)
+        print(f"run it with: llama-cli -m {out}   (or npllama generate -m {out})", file=sys.stderr)
     return 0

@@ -63,7 +63,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "the new text; tokens/s goes to stderr at the end.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-m", "--model", default=argparse.SUPPRESS,
-                   help="checkpoint: .safetensors (npllama, HF or training checkpoint), HF folder, or llama2.c .bin "
+                   help="checkpoint: .safetensors (npllama, HF or training checkpoint), HF folder, llama2.c .bin, "
+                        "or GGUF (llama.cpp; its own tokenizer is used) "
                         f"[default: {DEFAULT_MODEL.name}, shipped with npllama, made by `npllama train`]")
     p.add_argument("-p", "--prompt", default=argparse.SUPPRESS,
                    help="text to continue [default: none: start from BOS (sentencepiece) or a newline (characters)]")
@@ -121,7 +122,7 @@ def _load(args):
     if not path.exists():
         if args.model:
             raise MissingFileError(f"--model {path} does not exist; pass a .safetensors file, a Hugging Face "
-                                    "folder or a llama2.c .bin")
+                                    "folder, a llama2.c .bin or a .gguf")
         raise MissingFileError(f"no --model given and the default model {path} is missing from the installed "
                                 "package; reinstall npllama (its wheel carries the model; in a git checkout the "
                                 "file is a link to weights/shakespeare-char.safetensors) or pass --model PATH")

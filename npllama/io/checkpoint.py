@@ -1,7 +1,7 @@
-"""Weights in and out: safetensors (Meta or Hugging Face names), HF folders, llama2.c .bin files.
+"""Weights in and out: safetensors (Meta or Hugging Face names), HF folders, llama2.c .bin files, GGUF.
 
     model = npllama.load(path, dtype=np.float32)
-    npllama.save(model, path, format="hf")      # or format="meta"
+    npllama.save(model, path, format="hf")      # or format="meta", or "gguf"
 
 What `load` accepts (the first match wins):
 
@@ -15,6 +15,9 @@ What `load` accepts (the first match wins):
                        a LoRA training checkpoint gives its base with the adapters merged (io/lora.py)
     *.bin              llama2.c: legacy v0 (7 int32 header) or v1 ("ak42" magic, 256-byte header),
                        float32 little-endian; layouts in io/llama2c.py
+    *.gguf             llama.cpp's GGUF (v2, v3; or any file starting with b"GGUF"): LLaMA models, the
+                       config from the metadata, the tokenizer from the file's vocabulary,
+                       quantized tensors decoded (io/gguf_llama.py)
     pickle files       (.pt, .pth, .ckpt, .pkl, pytorch_model*.bin, or any file starting with a
                        pickle/zip magic) are refused without being unpickled (io/pickles.py)
 
@@ -37,7 +40,6 @@ safetensors file it writes records CRC-32s of its header and tensors, which load
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 import warnings
@@ -58,9 +60,12 @@ from ..ops import rope_frequencies
 from ..tokenizers import SentencePieceTokenizer, tokenizer_from_folder
 from ..tokenizers.hf_export import generation_config_json, hf_tokenizer_files
 from .atomic import write_bytes_atomic, write_folder_atomic
+from .config_check import check_config_against
 from .errors import (CheckpointError, ConfigMismatchError, PathInTheWayError, PickleRefusedError, TensorMismatchError,
                      PICKLE_HINT)
 from .footprint import LoadFootprint, load_footprint
+from .gguf import MAGIC as GGUF_MAGIC
+from .gguf_llama import read_gguf_model, write_gguf_model
 from .hf import (HF_FIELD, UnsupportedConfigError, hf_config_to_llama, hf_to_meta_name, is_hf_name, llama_to_hf_config,
                  meta_to_hf, meta_to_hf_name, permute_hf_to_meta)
 from .llama2c import read_llama2c
@@ -77,36 +82,6 @@ from .safetensors import Bfloat16, map_safetensors, release_pages, write_safeten
 
 def _field(name: str, hf: bool) -> str:
     return f"{name} (config.json {HF_FIELD[name]})" if hf else name
-
-
-def _check_config_against(cfg: LlamaConfig, shapes: dict[str, tuple], hf: bool, display) -> None:
-    """Raise ConfigMismatchError naming every config field the tensor shapes contradict."""
-    problems = []
-    emb = shapes.get("tok_embeddings.weight")
-    if emb is not None and len(emb) == 2:
-        if emb[1] != cfg.dim:
-            problems.append(f"{_field('dim', hf)}={cfg.dim} but {display('tok_embeddings.weight')} is {emb}, "
-                            f"i.e. dim={emb[1]}")
-        if emb[0] != cfg.vocab_size:
-            problems.append(f"{_field('vocab_size', hf)}={cfg.vocab_size} but {display('tok_embeddings.weight')} "
-                            f"is {emb}, i.e. vocab_size={emb[0]}")
-    layers = {int(m.group(1)) for n in shapes if (m := re.match(r"layers\.(\d+)\.", n))}
-    if layers and max(layers) + 1 != cfg.n_layers:
-        problems.append(f"{_field('n_layers', hf)}={cfg.n_layers} but the file holds layers "
-                        f"{min(layers)}..{max(layers)}")
-    w1 = shapes.get("layers.0.feed_forward.w1.weight")
-    if w1 is not None and len(w1) == 2 and w1[0] != cfg.hidden_dim:
-        problems.append(f"{_field('hidden_dim', hf)}={cfg.hidden_dim} but "
-                        f"{display('layers.0.feed_forward.w1.weight')} is {w1}, i.e. hidden_dim={w1[0]}")
-    wk = shapes.get("layers.0.attention.wk.weight")
-    if wk is not None and len(wk) == 2 and wk[0] != cfg.n_kv_heads * cfg.head_dim and wk[0] % cfg.head_dim == 0:
-        problems.append(f"{_field('n_kv_heads', hf)}={cfg.n_kv_heads} but {display('layers.0.attention.wk.weight')} "
-                        f"is {wk}, i.e. n_kv_heads={wk[0] // cfg.head_dim} of head_dim {cfg.head_dim}")
-    if not cfg.tie_embeddings and "output.weight" not in shapes and emb is not None:
-        problems.append(f"{_field('tie_embeddings', hf)}=False but the file has no {display('output.weight')}; "
-                        "if the output layer shares the embeddings, set it to true")
-    if problems:
-        raise ConfigMismatchError("the config contradicts the tensors:\n  " + "\n  ".join(problems))
 
 
 def _check_rope_buffer(name: str, arr: np.ndarray, cfg: LlamaConfig) -> None:
@@ -183,7 +158,7 @@ def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig,
                 f"{display('output.weight')} that differs from {display('tok_embeddings.weight')}; "
                 "set it to false to keep both")
     shapes = {n: tuple(t.shape) for n, t in renamed.items()}
-    _check_config_against(cfg, shapes, hf_config, display)
+    check_config_against(cfg, shapes, lambda name: _field(name, hf_config), display)
     expected = cfg.param_shapes()
     missing = [display(n) for n in expected if n not in renamed]
     misshapen = [f"{display(n)}: {shapes[n]}, expected {expected[n]}"
@@ -374,6 +349,8 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mmap: bool | Non
     else:
         refuse_pickle_name(path)
         suffix = path.suffix.lower()
+        if suffix == ".gguf":
+            return Loaded(*read_gguf_model(path, storage, strict=strict, mapped=_decide(mmap, path.stat().st_size)))
         if suffix == ".bin":
             mapped = _decide(mmap, path.stat().st_size)
             cfg, tensors = read_llama2c(path, mapped)
@@ -382,9 +359,13 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mmap: bool | Non
             return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"] + notes, footprint)
         if suffix != ".safetensors":
             with open(path, "rb") as f:
-                refuse_pickle_magic(path, f.read(4))
+                head = f.read(4)
+            if head == GGUF_MAGIC:
+                return Loaded(*read_gguf_model(path, storage, strict=strict,
+                                               mapped=_decide(mmap, path.stat().st_size)))
+            refuse_pickle_magic(path, head)
             raise CheckpointError(f"{path}: unknown checkpoint type {suffix!r}; npllama reads .safetensors files, "
-                                  "Hugging Face folders and llama2.c .bin files")
+                                  "Hugging Face folders, llama2.c .bin files and GGUF files")
         mapped = _decide(mmap, path.stat().st_size)
         tensors, metadata, codes = map_safetensors(path, verify, mapped)
         source = str(path)
@@ -491,8 +472,12 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
     format="meta": path is one .safetensors file with Meta names and metadata
                    {"format": "pt", "npllama_config": config JSON, "npllama_tokenizer": tokenizer
                    JSON when model.tokenizer is set}.
+    format="gguf": path is one .gguf file that llama.cpp (and so ollama) runs: llama.cpp's tensor
+                   names and metadata, the tokenizer as a GGUF vocabulary (io/gguf_llama.py,
+                   io/gguf_vocab.py).
     dtype: "float32" (default, whatever the model's dtype or storage dtype), "float64", "float16" or
-                   "bfloat16".
+                   "bfloat16"; for "gguf": "f32" (= "float32"), "f16", "bf16" or "q8_0" (2-D weights;
+                   norms stay float32).
     A LoraLlama is saved merged: each adapted weight as W + s B A; never onto its base model.
     Every file is written atomically: an existing file is replaced whole or left untouched. A
     folder is written whole (io/atomic.py write_folder_atomic): a reader sees the old folder or
@@ -506,6 +491,12 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
         refuse_inputs(path, {"the base model of these LoRA adapters": getattr(model, "base_path", None)},
                       "the path to save to")
         model = model.merged()
+    if format == "gguf":
+        if path.suffix.lower() != ".gguf" or path.is_dir():
+            raise NpllamaError(f"{path}: format='gguf' writes one .gguf file; give a path ending in .gguf")
+        check_save_target(path, format, overwrite_checkpoint)
+        write_gguf_model(path, model.config, model.params, getattr(model, "tokenizer", None), dtype, name=path.stem)
+        return path
     dname = _save_dtype_name(dtype)
     cfg, params = model.config, model.params
     _require_save(params, path, format, dname)
@@ -548,4 +539,5 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
                                (json.dumps(generation_config_json(tokenizer), indent=2) + "\n").encode("utf-8"))
 
         return write_folder_atomic(path, write_contents, replaced_by_a_model(path))
-    raise NpllamaError(f"format={format!r}; use 'hf' (a transformers folder) or 'meta' (one .safetensors file)")
+    raise NpllamaError(f"format={format!r}; use 'hf' (a transformers folder), 'meta' (one .safetensors file) "
+                       "or 'gguf' (one .gguf file for llama.cpp)")

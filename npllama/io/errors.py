@@ -40,3 +40,12 @@ class PathInTheWayError(OutputPathError, FileExistsError):
 
 class WeightsFileChangedError(CheckpointError):
     """A file a model's weights are memory-mapped from changed on disk while in use (io/mapped.py)."""
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file that is corrupt or truncated, or holds what npllama cannot compute (the message says which)."""
+
+
+class UnsupportedGGUFError(GGUFError):
+    """A valid GGUF file of a kind npllama does not run: another architecture, a tensor type it
+    cannot dequantize, RoPE scaling, experts."""

@@ -80,7 +80,11 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _META_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
-def _rename(name: str, whole: dict, layer_pattern: re.Pattern, per_layer: dict, layer_prefix: str) -> str | None:
+def rename_parameter(name: str, whole: dict, layer_pattern: re.Pattern, per_layer: dict,
+                     layer_prefix: str) -> str | None:
+    """name through the table `whole`, or, for a layer's parameter (layer_pattern's groups: the
+    index, the rest), layer_prefix + index + "." + per_layer[rest]; None when neither has it.
+    (GGUF's names, io/gguf_llama.py, go through it too.)"""
     if name in whole:
         return whole[name]
     m = layer_pattern.match(name)
@@ -91,12 +95,12 @@ def _rename(name: str, whole: dict, layer_pattern: re.Pattern, per_layer: dict, 
 
 def hf_to_meta_name(name: str) -> str | None:
     """Meta name of a Hugging Face parameter name, or None when it is not a LLaMA parameter."""
-    return _rename(name, HF_TO_META_GLOBAL, _HF_LAYER, HF_TO_META_LAYER, "layers.")
+    return rename_parameter(name, HF_TO_META_GLOBAL, _HF_LAYER, HF_TO_META_LAYER, "layers.")
 
 
 def meta_to_hf_name(name: str) -> str | None:
     """Hugging Face name of a Meta parameter name, or None when it is not a LLaMA parameter."""
-    return _rename(name, META_TO_HF_GLOBAL, _META_LAYER, META_TO_HF_LAYER, "model.layers.")
+    return rename_parameter(name, META_TO_HF_GLOBAL, _META_LAYER, META_TO_HF_LAYER, "model.layers.")
 
 
 def is_hf_name(name: str) -> bool:

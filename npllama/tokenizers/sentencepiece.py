@@ -45,6 +45,7 @@ class SentencePieceTokenizer:
         self.bos_id = sp.bos_id() if sp.bos_id() >= 0 else None
         self.eos_id = sp.eos_id() if sp.eos_id() >= 0 else None
         self.unk_id = sp.unk_id() if sp.unk_id() >= 0 else None
+        self.pad_id = sp.pad_id() if sp.pad_id() >= 0 else None
         self._surfaces = None  # built on the first stream_decoder() call
 
     @classmethod

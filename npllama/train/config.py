@@ -87,8 +87,9 @@ class TrainConfig:
                            "(a terminal gets a live line every step)", default=10)
     out_dir: str = _f("folder for ckpt.safetensors, metrics.jsonl and loss.png", default="runs/shakespeare-char")
     export: str | None = _f("also write the final model alone (no optimizer state; LoRA adapters merged in) "
-                            "to this .safetensors file (Meta names, config and tokenizer inside), or to this "
-                            "folder in Hugging Face's layout (a path without a suffix)", default=None)
+                            "to this .safetensors file (Meta names, config and tokenizer inside), to this .gguf "
+                            "file (float32, for llama.cpp), or to this folder in Hugging Face's layout (a path "
+                            "without a suffix)", default=None)
     seed: int = _f("seed of the initial weights, the batch order and the samples", default=1337)
     resume: bool = _f("continue from OUT_DIR/ckpt.safetensors exactly where it stopped", default=False)
 
@@ -135,8 +136,8 @@ class TrainConfig:
         if self.export is not None:
             check_output_path(self.export, "--export", whole=True)
         if self.export is not None and export_format(self.export) is None:
-            raise NpllamaError(f"--export={self.export!r} must be a path ending in .safetensors (one file) "
-                             "or a folder without a suffix (Hugging Face)")
+            raise NpllamaError(f"--export={self.export!r} must be a path ending in .safetensors (one file), "
+                             ".gguf (for llama.cpp) or a folder without a suffix (Hugging Face)")
         if not isinstance(self.data, (str, type(None))):
             raise NpllamaError(f"--data={self.data!r} must be a path")
         for name in ("tie_embeddings", "resume", "gradient_checkpointing", "reference"):
@@ -189,9 +190,10 @@ ARCHITECTURE_FIELDS = ("tokenizer", "vocab_size", "dim", "n_layers", "n_heads", 
 
 
 def export_format(path) -> str | None:
-    """The format --export PATH writes: 'meta' for a .safetensors file, 'hf' for a folder, None otherwise."""
+    """The format --export PATH writes: 'meta' for a .safetensors file, 'gguf' for a .gguf file, 'hf' for a
+    folder, None otherwise."""
     suffix = Path(str(path)).suffix
-    return "meta" if suffix == ".safetensors" else "hf" if not suffix else None
+    return {".safetensors": "meta", ".gguf": "gguf", "": "hf"}.get(suffix)
 
 
 # ---- presets: named functions, each a TrainConfig -------------------------------------------------
