@@ -384,7 +384,10 @@ def test_kill_9_of_a_rank_stops_every_rank_with_one_line_naming_it(flags, text, 
     assert proc.returncode != 0 and seconds < 30
     assert re.fullmatch(rf"npllama train: error: rank 1 \(pid {victim} on \S+\) was lost; every rank stopped, the "
                         r"last checkpoint written is kept\n", stderr), stderr
-    assert load_train_state(tmp_path / "run" / "ckpt.safetensors")["step"] == 5
+    # the last checkpoint written (every 5 steps; how many passed before the kill landed depends on
+    # the machine's load) is whole: it loads, at a step the run saved
+    step = load_train_state(tmp_path / "run" / "ckpt.safetensors")["step"]
+    assert step >= 5 and step % 5 == 0, step
 
 
 @needs_mpi
