@@ -291,8 +291,9 @@ def test_three_ranks_share_an_uneven_batch_exactly_and_refuse_a_batch_smaller_th
 @pytest.mark.slow
 def test_the_readme_command_trains_on_two_ranks(tmp_path):
     data_file("tinyshakespeare.txt")
-    command = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("mpiexec "))
-    argv = shlex.split(command)
+    page = (REPO / "docs" / "distributed.md").read_text()
+    command = next(line for line in page.splitlines() if line.startswith("mpiexec -n 2 "))
+    argv = shlex.split(command, comments=True)
     at = argv.index("npllama")
     # a short budget appended; 1% of the text for validation, as the closing pass over all of it is the slow part
     run = subprocess.run([MPIEXEC, *argv[1:at], sys.executable, "-m", "npllama", *argv[at + 1:], "--max-steps", "6",

@@ -35,7 +35,6 @@ from npllama.train.finetune import init_model
 
 from .conftest import data_file
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 # One BLAS thread for this module's runs (and its subprocesses): the model is tiny, and on a busy
 # machine OpenBLAS's two threads turn each of its small GEMMs from microseconds into milliseconds.
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1"}
@@ -211,18 +210,14 @@ def test_refusals_name_the_problem(stories, tmp_path, capsys):
         init_model(finetune_cfg(stories, tmp_path, init=str(small)))
 
 
-def readme_section(title):
-    text = README.read_text(encoding="utf-8")
-    start = text.index(f"\n## {title}\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+FINETUNING = Path(__file__).resolve().parents[1] / "docs" / "finetuning.md"
 
 
-def test_the_readme_fine_tuning_example_runs_as_written(stories, tmp_path):
-    """Every command of README "Fine-tuning", run in a folder holding its files, with a shorter run:
+def test_the_docs_fine_tuning_example_runs_as_written(stories, tmp_path):
+    """Every command of docs/finetuning.md, run in a folder holding its files, with a shorter run:
     --max-steps 4 and fewer evaluation batches; then its Python blocks (the one that loads the export
     into transformers when transformers is installed)."""
-    section = readme_section("Fine-tuning")
+    section = FINETUNING.read_text(encoding="utf-8")
     commands = [c for block in re.findall(r"```bash\n(.*?)```", section, re.S)
                 for c in block.replace("\\\n", " ").splitlines() if c.strip()]
     assert len(commands) >= 4 and any(c.startswith("npllama train --init") for c in commands)

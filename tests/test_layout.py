@@ -1,6 +1,6 @@
 """The package's layout rules, checked from the source: layers, no cycles, imports at the top.
 
-Data flows one way (README "Map"): each module imports only from its own layer or the layers
+Data flows one way: each module imports only from its own layer or the layers
 below it, so the reference (ops, model) never depends on the engine, and nothing depends on
 the command line. Imports sit at module top, except optional dependencies.
 """
@@ -60,7 +60,7 @@ def unit(module):
 
 def test_every_unit_is_in_a_layer():
     units = {unit(m) for m in modules()} - {None}
-    assert units <= set(LAYERS), f"add {sorted(units - set(LAYERS))} to LAYERS in this test and to the README Map"
+    assert units <= set(LAYERS), f"add {sorted(units - set(LAYERS))} to LAYERS in this test"
 
 
 def test_no_module_imports_from_a_layer_above_it():

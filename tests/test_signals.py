@@ -5,7 +5,7 @@ saves a checkpoint that resumes bit for bit; a second signal stops it at once, l
 The commands run in real processes (`python -m npllama`). "Any moment" starts when npllama's launcher
 is running: the test waits until the process catches SIGTERM (/proc/PID/status SigCgt), which only
 npllama/__main__.py makes it do, and signals it 0 to 0.8 s later: during the imports, the load,
-the run. (Before that, the interpreter's own start-up is outside npllama's reach: README.)
+the run. (Before that, the interpreter's own start-up is outside npllama's reach: docs/faults.md.)
 """
 
 import io

@@ -3,7 +3,7 @@
 Each subcommand lives in its own module and registers itself with `register(subparsers)`,
 setting `func` to the function that runs it and returns an exit code.
 
-Exit codes and errors (README "Faults and guarantees"):
+Exit codes and errors (docs/faults.md):
     0    done
     1    an npllama error (NpllamaError, any ValueError npllama raises on bad input) or an OS
          error (disk full, read-only, permission denied, no such file): one line on stderr,
@@ -27,7 +27,7 @@ import os
 import sys
 
 from . import export, generate, gradcheck, plot, train
-from .args import report_error
+from .args import docs_epilog, report_error
 
 SUBCOMMANDS = [gradcheck, train, generate, plot, export]
 
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="npllama",
         description="LLaMA-2 in pure NumPy: train on a CPU, generate, load and check exported weights.",
+        epilog=docs_epilog("README.md (the first steps)", "docs/training.md", "docs/finetuning.md",
+                           "docs/generation.md", "docs/weights.md", "docs/math.md", "docs/faults.md",
+                           "docs/speed.md", "docs/distributed.md"),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:

@@ -15,6 +15,13 @@ EXIT_PIPE_CLOSED = 128 + 13     # stdout's reader went away: what a shell report
 # (a stop signal's code, 128 + its number, is npllama.interrupts.exit_code)
 
 
+def docs_epilog(*pages: str) -> str:
+    """The last paragraph of a command's --help: the pages of docs/ (in npllama's source tree) that
+    cover it, each "docs/PAGE.md" or "docs/PAGE.md (what for)". tests/test_docs_pages.py checks
+    that every --help ends with one and that the pages exist."""
+    return "Documentation: " + "; ".join(pages) + "."
+
+
 def number(kind, low=None, high=None, low_open=False):
     """An argparse type: `kind` (int or float) from text, finite, >= low (> low if low_open), <= high."""
     def parse(text):

@@ -29,6 +29,7 @@ from ..tokenizers import SentencePieceTokenizer
 from ..tokenizers.hf_export import hf_tokenizer_files
 from ..train.config import export_format
 from ..errors import NpllamaError
+from .args import docs_epilog
 
 
 DESCRIPTION = ("Read any checkpoint npllama reads (a training checkpoint, LoRA adapters with their base, an HF "
@@ -40,6 +41,7 @@ DESCRIPTION = ("Read any checkpoint npllama reads (a training checkpoint, LoRA a
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                              epilog=docs_epilog("docs/weights.md"),
                               help="write a checkpoint as a Hugging Face folder, one .safetensors or a .gguf (LoRA merged)")
     p.add_argument("-m", "--model", required=True, default=argparse.SUPPRESS, metavar="PATH", help="the checkpoint to export")
     p.add_argument("-o", "--out", required=True, default=argparse.SUPPRESS, metavar="PATH",

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..generate import generate_stream
 from ..io import load
 from ..tokenizers import tokenizer_from_file
-from .args import number
+from .args import docs_epilog, number
 from ..errors import MissingFileError, NpllamaError
 
 # Package data, so a wheel generates offline from any folder. In the repository this is a link to
@@ -61,6 +61,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "prefill, then one token a step). Flags follow llama.cpp's. Generation ends after -n "
                     "tokens, at the tokenizer's EOS, or before a --stop string. The prompt is echoed, then "
                     "the new text; tokens/s goes to stderr at the end.",
+        epilog=docs_epilog("docs/generation.md"),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-m", "--model", default=argparse.SUPPRESS,
                    help="checkpoint: .safetensors (npllama, HF or training checkpoint), HF folder, llama2.c .bin, "

@@ -24,7 +24,7 @@ from ..config import LlamaConfig
 from ..gradcheck import gradcheck, numerical_grad, rel_error
 from ..llama import Llama
 from ..work import MachineSpeed, describe_seconds, require_time
-from .args import number
+from .args import docs_epilog, number
 
 
 def op_checks(rng, B, T, H, KVH, Dh, F, V):
@@ -169,7 +169,8 @@ def run(args) -> int:
 def register(subparsers):
     p = subparsers.add_parser(
         "gradcheck", help="watch a forward pass and every gradient checked numerically",
-        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=docs_epilog("docs/math.md (the formulas and derivatives it checks)"))
     p.add_argument("--n-layers", type=number(int, 1), default=2, help="transformer blocks (>= 1)")
     p.add_argument("--n-heads", type=number(int, 1), default=4, help="query heads (>= 1)")
     p.add_argument("--n-kv-heads", type=number(int, 1), default=2, help="key/value heads, dividing --n-heads")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..train.chart import loss_chart
 from ..train.metrics import METRICS_NAME, PLOT_NAME, plot_metrics, read_metrics
-from .args import number
+from .args import docs_epilog, number
 from ..errors import MissingFileError
 
 
@@ -21,6 +21,7 @@ def register(subparsers) -> argparse.ArgumentParser:
         "plot", help="show the loss curve of a training run (text; loss.png with matplotlib)",
         description=f"Print the train and validation loss of RUN_DIR/{METRICS_NAME} (the --out-dir of "
                     f"`npllama train`) as a text chart, and draw RUN_DIR/{PLOT_NAME} when matplotlib is installed.",
+        epilog=docs_epilog("docs/training.md"),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("run_dir", metavar="RUN_DIR", help="the --out-dir of a training run")
     p.add_argument("--width", type=number(int, 20), default=argparse.SUPPRESS, metavar="COLS",

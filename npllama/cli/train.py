@@ -26,7 +26,7 @@ from ..train.config import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INT
                             preset)
 from ..train.loop import train
 from ..interrupts import exit_code
-from .args import EXIT_PIPE_CLOSED, number, report_error
+from .args import EXIT_PIPE_CLOSED, docs_epilog, number, report_error
 
 
 def _duration(text: str) -> float:
@@ -86,6 +86,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                     "(shown below for shakespeare-char); flags given here override it. Writes "
                     "OUT_DIR/ckpt.safetensors (model, optimizer state, tokenizer: `npllama generate "
                     "--model` reads it), metrics.jsonl and loss.png. --resume continues a run exactly.",
+        epilog=docs_epilog("docs/training.md", "docs/finetuning.md (--init, --lora-*)",
+                           "docs/distributed.md (mpiexec -n N npllama train)"),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="shakespeare-char",
                    help="starting settings: " + "; ".join(

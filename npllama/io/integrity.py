@@ -28,7 +28,7 @@ tools) load as before, unverified.
 Why CRC-32: it detects every burst of up to 32 flipped bits and any other random damage
 with probability 1 - 2^-32, which is what it is for; a cryptographic hash would add nothing
 against deliberate tampering, since the checksum sits in the same file. zlib.crc32 ran at
-~4 GB/s on the 2-core machine of README "Faults and guarantees", sha256 at ~1.1 GB/s.
+~4 GB/s on the 2-core machine of docs/speed.md, sha256 at ~1.1 GB/s.
 """
 
 from __future__ import annotations

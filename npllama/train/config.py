@@ -202,7 +202,7 @@ def shakespeare_char() -> TrainConfig:
     """The default: characters of TinyShakespeare on 2 CPU cores, about 5 minutes (the TrainConfig defaults).
 
     dim 128, 4 layers, 4 heads (0.8M parameters), windows of T = 64 characters, B = 16 windows
-    (1,024 tokens a step), 5,000 steps. Chosen by measurement on 2 cores (README "Training"):
+    (1,024 tokens a step), 5,000 steps. Chosen by measurement on 2 cores (docs/speed.md):
     for the same number of tokens, val loss after 1.2M tokens was 1.78 with (B 32, T 64),
     1.79 with (B 16, T 128), 1.74 with (B 16, T 64) and 1.72 with (B 8, T 64), while tokens
     per second rise with the batch; B = 16 gave the lowest loss per minute. A small model

@@ -24,7 +24,7 @@ same batches and computes its rows of each; one Allreduce a step sums the weight
 few small collectives decide together what each rank's clock or Ctrl-C says (stop now?), and
 rank 0 alone holds the lock, prints, and writes the checkpoint, metrics and chart.
 
-Faults (README "Faults and guarantees"): the run holds OUT_DIR's lock (train/lock.py) from
+Faults (docs/faults.md): the run holds OUT_DIR's lock (train/lock.py) from
 start to end and removes the temporary files a killed run left there; it refuses, before
 allocating, a model and batch that cannot fit in memory (npllama.memory), and settings whose
 steps or evaluations could not end within a day (npllama.work); it stops at the
@@ -134,8 +134,8 @@ def full_val_loss(model: Llama, ids: np.ndarray, seq_len: int, batch_size: int, 
     """Mean cross-entropy over the whole of ids, cut into consecutive windows of seq_len.
 
     Window j predicts ids[j*T + 1 : (j + 1)*T + 1] from ids[j*T : (j + 1)*T]; a last window
-    too short for T tokens and its target is left out. Deterministic: the figure the README
-    and weights/README quote. Over several ranks each takes a contiguous range of the windows.
+    too short for T tokens and its target is left out. Deterministic: the figure docs/training.md
+    and weights/README.md quote. Over several ranks each takes a contiguous range of the windows.
     """
     n_windows = (len(ids) - 1) // seq_len
     if n_windows < 1:
