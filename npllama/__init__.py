@@ -22,7 +22,8 @@ from .config import LlamaConfig
 from .errors import NpllamaError
 from .io import load, save
 from .llama import Llama
-from .optim import AdamW, clip_grad_norm
+from .engine.adamw import AdamW
+from .optim import clip_grad_norm
 
 __all__ = ["LlamaConfig", "Llama", "load", "save", "AdamW", "clip_grad_norm", "NpllamaError"]
 __version__ = "0.1.0"
