@@ -11,14 +11,18 @@ matrices only), through npllama's two ways of training:
     npllama         the library user's loop, as the README writes it: Llama.loss_and_grads,
                     npllama.clip_grad_norm, npllama.AdamW
     npllama train   what `npllama train` runs: train.loop.train_step with model.optimizer(),
-                    inside engine.freed_memory_kept() (entered for each turn, as a run holds it)
+                    inside engine.freed_memory_kept(), held for the process's life as a run holds
+                    it; in a process of its own, since glibc, once told its thresholds, no longer
+                    raises them by itself: a process that held freed_memory_kept is not the one a
+                    library user starts with
 
 PyTorch's (tools/torch_llama.py, scaled_dot_product_attention) does the same with
 torch.optim.AdamW in two parameter groups and clip_grad_norm_, from the same initial weights and
 on the same batch.
 
-Speed: every side in this one process, taking turns round by round (the order alternating), so
-whatever else runs on the machine slows all alike. Each turn runs one untimed step (the switch
+Speed: the sides take turns round by round (the order alternating), all in this process but
+`npllama train` (a worker process stepping when told), so whatever else runs on the machine slows
+all alike. Each turn runs one untimed step (the switch
 from the other side is paid there: waking thread pools, refilling caches), then times a few.
 npllama runs with its defaults, PyTorch with 1 and 2 threads (its faster one counts): the
 median over rounds of the time per step, as tokens/s. The roofline line holds each side's
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -118,27 +123,64 @@ def torch_step(tm, tokens, targets, threads=None):
     return step
 
 
-# ---- speed: interleaved rounds in this process -------------------------------------------------------
+# ---- speed: interleaved rounds -------------------------------------------------------------------------
 
-def measure_speed(cfg, B, T, rounds, turn_seconds, use_torch, warmup=2):
+class TrainCommandWorker:
+    """The `npllama train` side in a process of its own (module docstring): each call runs one step there."""
+
+    def __init__(self, name, quick):
+        self.proc = subprocess.Popen([sys.executable, __file__, "--train-worker", name, *(["--quick"] if quick else [])],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._expect("ready")
+
+    def _expect(self, word):
+        if self.proc.stdout.readline().strip() != word:
+            raise RuntimeError(f"the npllama train worker stopped ({self.proc.wait()}); see its error above")
+
+    def __call__(self):
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        self._expect("done")
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def train_worker(name, quick):
+    """Runs in its own process: `npllama train`'s step, inside freed_memory_kept, once per line read."""
+    kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
+    cfg = npllama.LlamaConfig(**kw)
+    with freed_memory_kept():
+        step = train_command_step(npllama.Llama(cfg, seed=0), *batch(cfg, B, T))
+        print("ready", flush=True)
+        for _ in sys.stdin:
+            step()
+            print("done", flush=True)
+
+
+def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2):
     """{setting: median seconds per step} over interleaved rounds (module docstring)."""
+    kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
+    cfg = npllama.LlamaConfig(**kw)
     tokens, targets = batch(cfg, B, T)
     model = npllama.Llama(cfg, seed=0)
-    steps = {"npllama": library_step(model, tokens, targets),
-             "npllama train": train_command_step(npllama.Llama(cfg, seed=0), tokens, targets)}
-    contexts = {"npllama train": freed_memory_kept}
+    worker = TrainCommandWorker(name, quick)
+    steps = {"npllama": library_step(model, tokens, targets), "npllama train": worker}
     if use_torch:
         from tools.torch_llama import TorchLlama
         for threads in PEER_THREADS:
             steps[f"torch {threads_label(threads)}"] = torch_step(
                 TorchLlama.from_params(cfg, model.params), tokens, targets, threads)
     per_turn = {}
-    for name, step in steps.items():          # warm up (PyTorch sets itself up lazily), then size the turns
-        with contexts.get(name, nullcontext)():
+    try:
+        for setting, step in steps.items():     # warm up (PyTorch sets itself up lazily), then size the turns
             for _ in range(warmup):
                 step()
-            per_turn[name] = calls_per_turn(step, turn_seconds)
-    return take_turns(steps, rounds, per_turn, switch=True, contexts=contexts)
+            per_turn[setting] = calls_per_turn(step, turn_seconds)
+        return take_turns(steps, rounds, per_turn, switch=True)
+    finally:
+        worker.close()
 
 
 # ---- memory: one side alone in a fresh process ---------------------------------------------------------
@@ -233,7 +275,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-memory", action="store_true", help="speed only")
     ap.add_argument("--no-torch", action="store_true", help="npllama only")
     ap.add_argument("--memory-probe", nargs=2, metavar=("SIDE", "CFG"), help=argparse.SUPPRESS)
+    ap.add_argument("--train-worker", metavar="CFG", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.train_worker:
+        train_worker(args.train_worker, args.quick)
+        return 0
     if args.memory_probe:
         memory_probe(*args.memory_probe, args.quick)
         return 0
@@ -249,7 +295,7 @@ def main(argv=None) -> int:
     for name, (kw, B, T) in configs.items():
         cfg = npllama.LlamaConfig(**kw)
         load_before = load_averages()
-        times = measure_speed(cfg, B, T, rounds, turn, use_torch, warmup=1 if args.quick else 2)
+        times = measure_speed(name, args.quick, rounds, turn, use_torch, warmup=1 if args.quick else 2)
         report(name, cfg, B, T, times, peaks, (load_before, load_averages()), use_torch)
         if args.no_memory:
             continue

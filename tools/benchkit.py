@@ -9,7 +9,6 @@ Workers in fresh processes (so that peaks and thread pools never mix) answer wit
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import json
 import os
@@ -82,26 +81,24 @@ def calls_per_turn(fn, seconds: float, most: int = 20) -> int:
     return max(1, min(most, round(seconds / max(time.perf_counter() - start, 1e-6))))
 
 
-def take_turns(fns: dict, rounds: int, calls: dict | None = None, switch: bool = False,
-               contexts: dict | None = None) -> dict[str, float]:
+def take_turns(fns: dict, rounds: int, calls: dict | None = None, switch: bool = False) -> dict[str, float]:
     """{name: median over the rounds of seconds per call}: the functions take turns, round after round.
 
     The order alternates between rounds, so neither side always follows the other, and load
     from elsewhere falls on all alike. Each turn times calls[name] calls (default 1), after one
     untimed call when `switch` (the switch from the other side is paid there: waking thread
-    pools, refilling caches), inside contexts[name]() when given (a setting one side runs under).
+    pools, refilling caches).
     """
     times = {name: [] for name in fns}
     for r in range(rounds):
         for name in (list(fns) if r % 2 == 0 else list(reversed(fns))):
-            with (contexts or {}).get(name, contextlib.nullcontext)():
-                if switch:
-                    fns[name]()
-                n = calls[name] if calls else 1
-                start = time.perf_counter()
-                for _ in range(n):
-                    fns[name]()
-                times[name].append((time.perf_counter() - start) / n)
+            if switch:
+                fns[name]()
+            n = calls[name] if calls else 1
+            start = time.perf_counter()
+            for _ in range(n):
+                fns[name]()
+            times[name].append((time.perf_counter() - start) / n)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
