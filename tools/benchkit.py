@@ -123,15 +123,23 @@ def run_worker(script: str, *args: str) -> dict:
 
 # ----------------------------------------------------------------------------- roofline
 
-def gemm_peak(threads: int, n: int = 1024, repeats: int = 7) -> float:
-    """FLOP/s of one float32 (n, n) @ (n, n) NumPy matmul on `threads` BLAS threads: the machine's
-    GEMM peak as NumPy reaches it, what a training step's FLOP/s are held against."""
+def gemm_peak(threads: int, n: int = 1024, repeats: int = 9) -> float:
+    """FLOP/s of one float32 (n, n) @ (n, n) NumPy matmul on `threads` BLAS threads, its fastest of
+    `repeats` (a peak: what the machine gives when nothing else takes it): the GEMM peak as NumPy
+    reaches it, what a training step's FLOP/s are held against."""
     import numpy as np
     from npllama.engine.settings import blas_threads
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    out = np.empty_like(a)
     with blas_threads(threads):
-        seconds = median_seconds(lambda: a @ a, repeats, warmup=2)
-    return 2 * n ** 3 / seconds
+        for _ in range(2):
+            np.matmul(a, a, out=out)
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            np.matmul(a, a, out=out)
+            seconds.append(time.perf_counter() - start)
+    return 2 * n ** 3 / min(seconds)
 
 
 def gemm_peaks() -> dict[int, float]:
