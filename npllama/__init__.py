@@ -29,7 +29,7 @@ import importlib
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
-_PUBLIC = {"LlamaConfig": "config", "Llama": "llama", "load": "io", "save": "io", "AdamW": "optim",
+_PUBLIC = {"LlamaConfig": "config", "Llama": "llama", "load": "io", "save": "io", "AdamW": "engine.adamw",
            "clip_grad_norm": "optim", "NpllamaError": "errors"}
 __all__ = ["LlamaConfig", "Llama", "load", "save", "AdamW", "clip_grad_norm", "NpllamaError"]
 

@@ -44,8 +44,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # npllama and tools/ from a checkout
 
-from tools.benchkit import (MB, PEER_THREADS, load_averages, median_seconds, memory_status,  # noqa: E402
-                            reset_peak_rss, run_worker, threads_label, torch_version)
+from tools.benchkit import (MB, PEER_THREADS, gemm_peaks, load_averages, median_seconds, memory_status,  # noqa: E402
+                            reset_peak_rss, roofline, run_worker, threads_label, torch_version, training_flops)
 
 SHAPES = {
     "110m": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, tie_embeddings=True),
@@ -199,6 +199,9 @@ def main(argv=None):
           f"{cfg.n_params() * 4 / MB:.0f} MB float32); batch {args.batch} x {args.seq} tokens; LoRA rank "
           f"{args.rank} on {','.join(TARGETS)}{'; gradient checkpointing' if args.gradient_checkpointing else ''}")
     tokens = args.batch * args.seq
+    peaks = gemm_peaks()
+    print(f"NumPy float32 GEMM peak {peaks[1] / 1e9:,.0f} GFLOP/s on 1 thread, {peaks[2] / 1e9:,.0f} on 2; roofline: "
+          "each side's model matmul FLOP/s (no recomputation counted) against them")
     for mode in args.modes.split(","):
         sides = ["npllama"] + (["torch"] if use_torch else [])
         runs = {(side, threads): [] for side in sides for threads in PEER_THREADS}
@@ -213,6 +216,7 @@ def main(argv=None):
             return statistics.median(r["seconds"] for r in rs), statistics.median(r["peak_mb"] for r in rs), threads
 
         weight_mb = runs["npllama", 1][0]["weight_mb"]
+        flops = training_flops(cfg, args.batch, args.seq, weight_grads=mode == "full")
         line = f"  {mode:4}"
         for side in sides:
             seconds, peak, threads = best(side)
@@ -220,7 +224,10 @@ def main(argv=None):
                      f"peak {peak:5,.0f} MB = {peak / weight_mb:.2f} x weights")
         if use_torch:
             line += f" | speed ratio npllama / torch {best('torch')[0] / best('npllama')[0]:.2f}"
-        print(line, flush=True)
+        print(line)
+        for side in sides:
+            print(f"       {side} roofline {roofline(flops / best(side)[0], peaks)}")
+        sys.stdout.flush()
     print(f"load average at the end {load_averages()}")
     return 0
 

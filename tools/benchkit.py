@@ -119,3 +119,52 @@ def worker_result(proc: subprocess.Popen) -> dict:
 def run_worker(script: str, *args: str) -> dict:
     """start_worker and wait for its worker_result."""
     return worker_result(start_worker(script, *args))
+
+
+# ----------------------------------------------------------------------------- roofline
+
+def gemm_peak(threads: int, n: int = 1024, repeats: int = 9) -> float:
+    """FLOP/s of one float32 (n, n) @ (n, n) NumPy matmul on `threads` BLAS threads, its fastest of
+    `repeats` (a peak: what the machine gives when nothing else takes it): the GEMM peak as NumPy
+    reaches it, what a training step's FLOP/s are held against."""
+    import numpy as np
+    from npllama.engine.settings import blas_threads
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    out = np.empty_like(a)
+    with blas_threads(threads):
+        for _ in range(2):
+            np.matmul(a, a, out=out)
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            np.matmul(a, a, out=out)
+            seconds.append(time.perf_counter() - start)
+    return 2 * n ** 3 / min(seconds)
+
+
+def gemm_peaks() -> dict[int, float]:
+    """{threads: gemm_peak(threads)} for 1 and 2 threads."""
+    return {threads: gemm_peak(threads) for threads in (1, 2)}
+
+
+def training_flops(cfg, batch_size: int, seq_len: int, weight_grads: bool = True) -> float:
+    """The matmul FLOPs of one training step of the model (no recomputation counted, as MFU counts).
+
+    Forward, per token: 2 x (every block's projections + the classifier), plus causal attention's
+    q k^T and P v, 4 Dh (t + 1) per head for the query at position t. Backward: twice the forward
+    (the inputs' gradients and the weights'), or with weight_grads False (LoRA: frozen weights)
+    the inputs' gradients alone for the projections and classifier, the adapters' own FLOPs
+    (a percent at rank 8) not counted.
+    """
+    D, Dh, H, KVH, F, L, V = (cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim,
+                              cfg.n_layers, cfg.vocab_size)
+    tokens = batch_size * seq_len
+    linear = 2 * tokens * (L * (D * (H + 2 * KVH) * Dh + H * Dh * D + 3 * D * F) + D * V)
+    attention = batch_size * L * H * 4 * Dh * seq_len * (seq_len + 1) / 2
+    return linear * (3 if weight_grads else 2) + attention * 3
+
+
+def roofline(flops_per_second: float, peaks: dict[int, float]) -> str:
+    """"157 GFLOP/s = 56% of the 2-thread GEMM peak, 112% of the 1-thread one"."""
+    return (f"{flops_per_second / 1e9:,.0f} GFLOP/s = {100 * flops_per_second / peaks[2]:.0f}% of the 2-thread "
+            f"GEMM peak, {100 * flops_per_second / peaks[1]:.0f}% of the 1-thread one")

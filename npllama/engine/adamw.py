@@ -11,6 +11,10 @@ array, only one chunk per thread.
 
     opt = FusedAdamW(model.params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     opt.step(grads, lr=None)             # as AdamW.step; state_dict() / load_state_dict() as AdamW's
+
+npllama.AdamW, the public optimizer, is this module's AdamW: FusedAdamW's step on an engine model's
+parameters (views of one flat array), optim.AdamW's own step on any other (a reference model's),
+so a library user's loop and `npllama train` step alike.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Mapping
 import numpy as np
 
 from ..checks import check_real
-from ..optim import AdamW, StepScalars, adamw_update
+from .. import optim
+from ..optim import StepScalars, adamw_update
 from .shards import _executor, available_cores
 
 # Elements per chunk: the five float32 arrays' chunks (p, g, m, v, scratch) take 640 KB, inside
@@ -30,7 +35,7 @@ CHUNK = 1 << 15
 MIN_THREADED = 1 << 18
 
 
-class FusedAdamW(AdamW):
+class FusedAdamW(optim.AdamW):
     """npllama.optim.AdamW with the update run in chunks on threads (module docstring).
 
     Same constructor, hyper-parameters, state and state_dict as AdamW; workers: threads for
@@ -78,3 +83,31 @@ def _update(pieces, scalars: StepScalars) -> None:
         if scratch.size < p.size or scratch.dtype != p.dtype:
             scratch = np.empty(max(p.size, CHUNK), dtype=p.dtype)
         adamw_update(p, g, m, v, scratch[:p.size].reshape(p.shape), decayed, scalars)
+
+
+def views_of_one_array(params: Mapping[str, np.ndarray]) -> bool:
+    """True when every parameter is a view of one 1-D array, as an engine model's are (engine/layout.py)."""
+    bases = {id(getattr(p, "base", None)) for p in params.values()}
+    base = next(iter(params.values())).base
+    return len(bases) == 1 and isinstance(base, np.ndarray) and base.ndim == 1
+
+
+class AdamW(FusedAdamW):
+    """npllama.AdamW: npllama.optim.AdamW's update (read it there), with its constructor and state.
+
+    On an engine model's parameters (views of one flat array) each step is FusedAdamW's, bit for
+    bit optim.AdamW's, in cache-sized chunks on threads, with no whole-size scratch array: what
+    `npllama train` steps with. On any other parameters (a reference model's, LoRA adapters, a
+    user's dict) it is optim.AdamW.step itself.
+    """
+
+    def __init__(self, params: Mapping[str, np.ndarray], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.fused = views_of_one_array(self.params)
+        if not self.fused:
+            self._scratch = {n: np.empty_like(p) for n, p in self.params.items()}
+
+    def step(self, grads: Mapping[str, np.ndarray], lr: float | None = None) -> None:
+        """optim.AdamW.step: one update of every parameter in place; grads are read, never modified."""
+        (FusedAdamW if self.fused else optim.AdamW).step(self, grads, lr)

@@ -25,7 +25,7 @@ tests/test_backends.py checks every pass built on it against the reference (floa
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -72,6 +72,8 @@ class KV(NamedTuple):
     layer: int
     rows: slice
     start: int
+    written: Callable[[], None] | None = None   # called once these keys are written, before they are read:
+    #                                              a shard of positions waits there for the earlier shards'
 
 
 class GradSink(NamedTuple):
@@ -131,6 +133,8 @@ def _attention_inputs(qkv, rot: Rotations, s: Shape, kv: KV | None):
     else:
         k_new = (heads[:, :, H:H + KVH].transpose(0, 2, 1, 3) * rot.k).view(qkv.dtype)   # (b, KVH, T, Dh)
         k, v1 = kv_append(kv, k_new, v_new)
+        if kv.written is not None:
+            kv.written()
     return q.reshape(b, KVH, T * R, Dh), k, v1
 
 

@@ -6,7 +6,7 @@ tests/engine/test_fused.py holds it equal to that op (float64, 1e-12):
     row_dot                  sum(a * b) over the last axis, kept: one ufunc call
     rms_rstd                 ops.rmsnorm's r = (mean(x**2) + eps) ** -0.5
     rms_backward             ops.rmsnorm_backward, given x and r, written over dy
-    sigmoid                  ops.swiglu.sigmoid, through exp2
+    sigmoid                  ops.swiglu.sigmoid, in three passes
     cross_entropy_in_place   ops.cross_entropy_forward and _backward at once, over the logits
     add_rows                 ops.embedding_backward's scatter-add, by a one-hot GEMM or a sort
 """
@@ -14,13 +14,11 @@ tests/engine/test_fused.py holds it equal to that op (float64, 1e-12):
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
 from ..ops import IGNORE_INDEX
 
-LOG2_E = 1.0 / math.log(2.0)
 # Up to this vocabulary the embedding's gradient is summed by a one-hot GEMM (2 V N D flops);
 # above, by sorting the ids (70 ms against 3 ms at V = 6144, D = 768, N = 512).
 ONE_HOT_MAX_VOCAB = 128
@@ -61,13 +59,13 @@ def rms_backward(dy, x, rstd, weight):
 
 
 def sigmoid(a):
-    """ops.swiglu.sigmoid, 1 / (1 + exp(-a)), as a new array, with exp(-a) as exp2(-a log2(e)):
-    NumPy's exp2 takes half the time of its exp (though far more where it underflows, which here
-    takes a > 87), and its divide half that of its reciprocal. (exp2 overflowing to inf gives the
+    """ops.swiglu.sigmoid, 1 / (1 + exp(-a)), as a new array, in three passes. NumPy's divide takes
+    half the time of its reciprocal, and its exp is SIMD (float32: 0.87 ms on 512 x 704 against
+    1.27 for exp2, which calls libm element by element). (exp(-a) overflowing to inf gives the
     right limit, 0; underflowing to 0, the right limit 1.)"""
-    s = np.multiply(a, -LOG2_E)
+    s = np.negative(a)
     with np.errstate(over="ignore", under="ignore"):
-        np.exp2(s, out=s)
+        np.exp(s, out=s)
     s += 1.0
     return np.divide(1.0, s, out=s)
 

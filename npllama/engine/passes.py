@@ -28,6 +28,8 @@ of the engine, whatever the pass:
 
 from __future__ import annotations
 
+import threading
+from functools import partial
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -43,7 +45,7 @@ from .layout import FlatLayout, stacked_views
 from .lora import adapted_layers
 from .projections import ChunkedHalfLinear, linear_in_place
 from .settings import blas_threads
-from .shards import ShardSums, n_shards, product, resolve_workers, run_sharded, value
+from .shards import ShardSums, _executor, available_cores, n_shards, product, resolve_workers, run_sharded, value
 from .stacked import stack_layer
 from .upcast import float_params, upcast
 
@@ -210,6 +212,8 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, s
     Arguments as npllama.model.forward; rope (cos, sin) sets the compute dtype; lora as in
     loss_and_grads. workers: threads sharing the batch rows (shards.resolve_workers); one when the
     weights must be copied per layer (a loaded or half-held model) or the cache is not a DecodeCache.
+    A prefill into a DecodeCache of fewer rows than cores shares its positions between the
+    cores instead (position_shards), unless workers is given.
     """
     B, T = tokens.shape
     dtype = rope[0].dtype
@@ -226,27 +230,93 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, s
                     rotations(rope[0][start_pos:start_pos + T], rope[1][start_pos:start_pos + T], config.head_dim),
                     kv_cache, start_pos, bias, last_only, dtype)
     shareable = (flat or lora is not None) and (kv_cache is None or isinstance(kv_cache, DecodeCache))
-    workers = resolve_workers(workers if shareable else 1, B, T, config.dim)
     small = tokens.size * config.dim < MIN_THREADED_ACTIVATIONS
+    cores = available_cores()
+    if shareable and isinstance(kv_cache, DecodeCache) and workers is None and B < cores and not small:
+        with blas_threads(1):
+            return _forward_by_positions(p, tokens, position_shards(config, start_pos, T, cores))
+    workers = resolve_workers(workers if shareable else 1, B, T, config.dim)
     with blas_threads(1 if small else None):
         shards = run_sharded(lambda j, rows, x: _shard_forward(p, rows, x), workers, config.dim, tokens)
     return np.concatenate(shards)
 
 
-def _shard_forward(p: ForwardPass, rows: slice, tokens) -> np.ndarray:
-    """model.forward of one shard of rows, keeping nothing: logits (b, T, V), or (b, V) when last_only."""
+def _shard_forward(p: ForwardPass, rows: slice, tokens, positions: slice = slice(None), written=None):
+    """model.forward of one shard of rows (and of positions: all, or those of a position shard),
+    keeping nothing: logits (b, T, V), or (b, V) when last_only (None for a position shard but
+    the last). written(i): called once the shard has written layer i's keys and values."""
     cfg = p.config
     b, T = tokens.shape
+    first, _, _ = positions.indices(p.rotations.k.shape[0])
     s = Shape(b, T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim)
+    rot = Rotations(*(r[positions] for r in p.rotations))
+    bias = None if p.bias is None else p.bias[rows][:, :, positions, :p.start + first + T]
     x = upcast(np.take(p.params["tok_embeddings.weight"], tokens.reshape(-1), axis=0), p.dtype)   # (N, D)
     for i in range(cfg.n_layers):
-        kv = None if p.kv_cache is None else KV(p.kv_cache, i, rows, p.start)
-        x = block_forward(x, p.layer(i), p.rotations, s, cfg.norm_eps, block=BLOCK, keep=False, kv=kv,
-                          bias=None if p.bias is None else p.bias[rows])
+        kv = None if p.kv_cache is None else KV(p.kv_cache, i, rows, p.start + first,
+                                                None if written is None else partial(written, i))
+        x = block_forward(x, p.layer(i), rot, s, cfg.norm_eps, block=BLOCK, keep=False, kv=kv, bias=bias)
     if p.last_only:
+        if first + T < p.rotations.k.shape[0]:
+            return None                                                   # the last position is another shard's
         x = x.reshape(b, T, -1)[:, -1]                                    # (b, D): the last position's
     xn = x * rms_rstd(x, cfg.norm_eps)
     xn *= upcast(p.params["norm.weight"], p.dtype)
     logits = np.empty((xn.shape[0], cfg.vocab_size), dtype=p.dtype)
     linear_in_place(p.params[output_weight_name(cfg)], xn, logits, ChunkedHalfLinear(cfg.dim, p.dtype))
     return logits if p.last_only else logits.reshape(b, T, -1)           # (b T, V) -> (b, T, V)
+
+
+# ----------------------------------------------------------------------------- a prefill's positions in shards
+
+# The batched attention GEMMs (b * KVH of them, inner dimension Dh) run at about a third of the
+# projections' FLOP rate (issue 18: 47 against 140 GFLOP/s a core): position_shards weighs their
+# FLOPs so.
+ATTENTION_FLOP_COST = 3.0
+
+
+def position_shards(config: LlamaConfig, start: int, T: int, n: int) -> list[slice]:
+    """T positions after `start` cached ones cut into up to n contiguous shards of about equal
+    cost: a query at position P costs the block's projections plus attention over P + 1 keys."""
+    D, H, KVH, Dh, F = config.dim, config.n_heads, config.n_kv_heads, config.head_dim, config.hidden_dim
+    projections = 2 * (D * (H + 2 * KVH) * Dh + H * Dh * D + 3 * D * F)
+    per_key = ATTENTION_FLOP_COST * 4 * H * Dh
+    cost = np.cumsum(projections + per_key * (start + 1 + np.arange(T, dtype=np.float64)))
+    bounds = np.searchsorted(cost, cost[-1] * np.arange(1, n) / n)
+    edges = [0, *sorted(set(int(e) for e in bounds if 0 < e < T)), T]
+    return [slice(lo, hi) for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+class PositionOrder:
+    """The layers' keys and values of a prefill cut into position shards: the queries of shard j
+    read the keys of every shard before it, so its layer i waits until those have written layer i."""
+
+    def __init__(self, n_shards: int, n_layers: int):
+        self.events = [[threading.Event() for _ in range(n_layers)] for _ in range(n_shards)]
+
+    def written(self, shard: int, layer: int) -> None:
+        """Shard `shard` has written `layer`: mark it, then wait for the earlier shards' writes of it."""
+        self.events[shard][layer].set()
+        for earlier in self.events[:shard]:
+            earlier[layer].wait()
+
+    def done(self, shard: int) -> None:
+        """The shard has ended (or failed): nothing waits on it any more."""
+        for event in self.events[shard]:
+            event.set()
+
+
+def _forward_by_positions(p: ForwardPass, tokens, shards: list[slice]):
+    """_shard_forward of every row, its positions cut into shards, one thread each (the first
+    never waits; each later one waits in every layer for the earlier ones' keys and values)."""
+    order = PositionOrder(len(shards), p.config.n_layers)
+
+    def run(j, positions):
+        try:
+            return _shard_forward(p, slice(None), tokens[:, positions], positions, partial(order.written, j))
+        finally:
+            order.done(j)
+
+    futures = [_executor(len(shards)).submit(run, j, positions) for j, positions in enumerate(shards)]
+    logits = [f.result() for f in futures]
+    return logits[-1] if p.last_only else np.concatenate(logits, axis=1)

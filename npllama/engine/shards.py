@@ -52,8 +52,13 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 
 def n_shards(workers: int, batch_size: int, seq_len: int, dim: int) -> int:
     """How many shards run_sharded cuts a (batch_size, seq_len) batch into: at least one per worker,
-    and more when rows are large, so that a shard holds about SHARD_ACTIVATIONS."""
-    return min(batch_size, max(workers, -(-batch_size * seq_len * dim // SHARD_ACTIVATIONS)))
+    and more when rows are large, so that a shard holds about SHARD_ACTIVATIONS; rounded up to the
+    first count that gives every worker as many rows (a multiple of workers dividing the rows),
+    where there is one. (4 rows in 3 shards on 2 threads would run 2 rows on one thread after its
+    1, while the other waits: a third longer than 4 shards, with 3 rows' activations alive at once.)"""
+    wanted = min(batch_size, max(workers, -(-batch_size * seq_len * dim // SHARD_ACTIVATIONS)))
+    balanced = [n for n in range(wanted, batch_size + 1) if n % workers == 0 and batch_size % n == 0]
+    return balanced[0] if balanced else wanted
 
 
 def pass_footprint(batch_size: int, seq_len: int, dim: int, workers=None) -> tuple[int, int]:

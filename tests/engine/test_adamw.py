@@ -74,3 +74,26 @@ def test_fused_adamw_checks_its_gradients_as_adamw_does():
         opt.step({})
     with pytest.raises(ValueError, match="shapes"):
         opt.step({"w": np.zeros(3)})
+
+
+def test_the_public_adamw_steps_fused_on_engine_models_and_as_the_reference_elsewhere():
+    """npllama.AdamW: FusedAdamW's step on an engine model's flat parameters, optim.AdamW's on a
+    reference model's; the same bits either way, and no whole-size scratch array when fused."""
+    cfg = npllama.LlamaConfig(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=11, multiple_of=8)
+    engine, reference = npllama.Llama(cfg, seed=0), npllama.Llama(cfg, seed=0, backend="reference")
+    opt_e, opt_r = npllama.AdamW(engine.params, **HYPER), npllama.AdamW(reference.params, **HYPER)
+    assert opt_e.fused and opt_e._scratch is None
+    assert not opt_r.fused
+    tokens = np.random.default_rng(0).integers(0, 11, (4, 9))
+    for _ in range(4):
+        for model, opt in ((engine, opt_e), (reference, opt_r)):
+            _, grads = model.loss_and_grads(tokens[:, :-1], tokens[:, 1:], workers=1)
+            npllama.clip_grad_norm(grads, 0.5)
+            opt.step(grads)
+    for name in engine.params:              # the two backends' gradients agree to rounding, not bits
+        np.testing.assert_allclose(engine.params[name], reference.params[name], rtol=1e-4, atol=1e-6)
+    fused, plain = npllama.AdamW(engine.params, **HYPER), AdamW({n: p.copy() for n, p in engine.params.items()}, **HYPER)
+    grads = {n: np.full_like(p, 0.01) for n, p in engine.params.items()}
+    fused.step(grads)
+    plain.step(grads)
+    assert_same_state(plain, fused)

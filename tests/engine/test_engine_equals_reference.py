@@ -10,6 +10,7 @@ bfloat16, all within 1e-10 relative of the reference. tests/test_backends.py run
 (training, LoRA, generation) on both backends and compares them.
 """
 
+import time
 from unittest import mock
 
 import numpy as np
@@ -18,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 import npllama
 from npllama import model as reference
-from npllama.engine import decode, passes, projections, shards
+from npllama.engine import block, decode, passes, projections, shards
 from npllama.engine import settings as engine_settings
 from npllama.engine.cache import DecodeCache
 from npllama.engine.decode import DecodeStep
@@ -190,6 +191,54 @@ def test_prefill_of_the_last_position_only_equals_the_reference(cfg, B, T, seed)
     last = passes.forward(model.params, cfg, model.rope, tokens, kv_cache=kv, last_only=True)
     assert last.shape == (B, cfg.vocab_size)
     assert rel_error(last, reference.forward(model.params, cfg, tokens)[0][:, -1]) < TOL
+
+
+@settings(max_examples=20)
+@given(configs(), st.integers(1, 2), st.integers(0, 3), st.integers(1, 8), st.integers(2, 4), st.booleans(),
+       st.booleans(), st.integers(0, 10_000))
+def test_a_prefill_cut_into_position_shards_on_threads_equals_the_reference(cfg, B, P, T, cores, last_only, masked,
+                                                                              seed):
+    """Fewer rows than cores: the prefill's positions in shards on threads, each later shard waiting in
+    every layer for the earlier ones' keys (forced on these tiny shapes; the first shard's writes
+    delayed, so a later shard that did not wait would read keys not yet written), after P cached
+    positions, with a mask or not, every position's logits or the last one's."""
+    B = min(B, cores - 1)
+    model = random_model(cfg, seed)
+    seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, P + T))
+    s = np.arange(P + T)
+    mask = (s[None, :] <= s[:, None]) & ((s[None, :] != 1) | (s[:, None] == 1))   # key 1 hidden from the others
+    expected = reference.forward(model.params, cfg, seq, mask=mask if masked else None)[0][:, P:]
+    kv = model.new_kv_cache(B)
+    if P:
+        model.forward(seq[:, :P], kv_cache=kv, mask=mask[:P, :P] if masked else None)
+    with mock.patch.object(passes, "MIN_THREADED_ACTIVATIONS", 0), \
+            mock.patch.object(passes, "available_cores", lambda: cores), \
+            mock.patch.object(passes, "_forward_by_positions", side_effect=passes._forward_by_positions) as split, \
+            mock.patch.object(block, "kv_append", side_effect=late_first_writes(block.kv_append, P)):
+        got = passes.forward(model.params, cfg, model.rope, seq[:, P:], kv_cache=kv, start_pos=P,
+                             mask=mask[P:] if masked else None, last_only=last_only)
+        calls = split.call_args_list
+    assert len(calls) == 1 and (T == 1 or len(calls[0].args[2]) >= 2)
+    assert rel_error(got, expected[:, -1] if last_only else expected) < TOL
+
+
+def late_first_writes(kv_append, first_start):
+    """kv_append, slowed down for the shard whose positions start at first_start."""
+    def append(kv, k, v):
+        if kv.start == first_start:
+            time.sleep(0.01)
+        return kv_append(kv, k, v)
+    return append
+
+
+def test_position_shards_cover_the_positions_in_order_at_about_equal_cost():
+    cfg = npllama.LlamaConfig(dim=768, n_layers=12, n_heads=12, vocab_size=32000, max_seq_len=1024)
+    for start, T, n in ((0, 512, 2), (100, 300, 3), (0, 3, 4), (0, 1, 2)):
+        shards = passes.position_shards(cfg, start, T, n)
+        assert shards[0].start == 0 and shards[-1].stop == T and len(shards) == min(n, T)
+        assert all(a.stop == b.start for a, b in zip(shards, shards[1:]))
+    first, second = passes.position_shards(cfg, 0, 512, 2)
+    assert 256 < first.stop < 300                  # the later positions attend to more keys: fewer of them
 
 
 @settings(max_examples=15)

@@ -101,6 +101,14 @@ def test_the_sums_order_is_fixed_so_threads_never_change_a_bit(monkeypatch):
             np.testing.assert_array_equal(grads[name], first[name], err_msg=name)
 
 
+def test_shards_give_every_worker_as_many_rows_where_the_rows_allow():
+    for B, T, D, workers in ((4, 128, 768, 2), (8, 256, 288, 2), (16, 256, 256, 2), (32, 128, 128, 2), (6, 64, 64, 3)):
+        rows = [r.stop - r.start for r in shards.shard_rows(B, T, D, workers)]
+        assert len(rows) % workers == 0 and len(set(rows)) == 1, (B, T, D, rows)
+        assert len(rows) >= -(-B * T * D // shards.SHARD_ACTIVATIONS) or len(rows) == B   # no larger than asked
+    assert [r.stop - r.start for r in shards.shard_rows(5, 64, 64, 2)] == [2, 3]   # 5 rows: as even as it gets
+
+
 def test_every_target_ignored_is_an_error():
     model = npllama.Llama(CFG)
     with pytest.raises(ValueError, match="every target is -100"):
