@@ -26,6 +26,8 @@ the prefill's blocks fill it, and each step adds one position.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..config import LlamaConfig
@@ -33,7 +35,7 @@ from ..backend import Decoder
 from .settings import blas_threads
 from .cache import DecodeCache
 from .passes import forward
-from .projections import FEW_ROWS, InPlaceProjections, RowHalves, StackedProjections
+from .projections import FEW_ROWS, Activations, InPlaceProjections, RowHalves, StackedProjections
 from .upcast import has_half
 from ..errors import NpllamaError
 
@@ -76,23 +78,44 @@ class DecodeStep:
     layout: "stacked" (copies of the weights, stacked and norm-folded: make a new step after
     changing the parameters), "in_place" (the parameters themselves, never copied), or None to
     choose by size (choose_layout). Half-held parameters (float16 / bfloat16) are always read in
-    place, a block of rows at a time in float32.
+    place, a block of rows at a time in float32. halves: the helper thread the large products
+    share their rows with (projections.RowHalves), or None for one thread.
+
+    The activations live in buffers made here (projections.Activations) and every view the step
+    reads them through is made here too: a step makes no array but its scores and its results.
     """
 
     def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None,
                  halves: RowHalves | None = None):
-        self.config = config
         cos, sin = rope
+        dtype = cos.dtype
+        B, D, H, KVH, Dh = batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim
+        R, F = H // KVH, config.hidden_dim
+        self.acts = acts = Activations(config, B, dtype)
         layout = choose_layout(params) if layout is None else layout
         if layout == "stacked":
-            self.projections = StackedProjections(params, config, batch_size, halves)
+            self.projections = StackedProjections(params, config, acts, halves)
         elif layout == "in_place":
-            self.projections = InPlaceProjections(params, config, cos.dtype, halves)
+            self.projections = InPlaceProjections(params, config, acts, halves)
         else:
             raise NpllamaError(f"layout={layout!r}; use 'stacked', 'in_place' or None (chosen by size)")
         self.layout = layout
-        self.complex_dtype = np.result_type(cos.dtype, np.complex64)
-        self.rotations = (cos + 1j * sin).astype(self.complex_dtype)      # (max_seq_len, Dh/2): e^(i p theta_j)
+        complex_dtype = np.result_type(dtype, np.complex64)
+        self.rotations = (cos + 1j * sin).astype(complex_dtype)          # (max_seq_len, Dh/2): e^(i p theta_j)
+        heads = _view(acts.qkv, (B, H + 2 * KVH, Dh))
+        self.qk = _view(acts.qkv[:, :(H + KVH) * Dh].view(complex_dtype), (B, H + KVH, Dh // 2))  # q, k as pairs
+        self.q = _view(heads[:, :H], (B, KVH, R, Dh))
+        self.k, self.v = heads[:, H:H + KVH], heads[:, H + KVH:]                                # (B, KVH, Dh)
+        self.ev = np.empty((B, KVH, R, Dh + 1), dtype)                  # [sum e v | sum e]
+        self.ev_sum, self.e_sum = self.ev[..., :Dh], self.ev[..., Dh:]
+        self.att = _view(acts.att, (B, KVH, R, Dh))
+        self.minus_a, self.b = acts.ab[:, :F], acts.ab[:, F:]
+        self.d_eps, self.one = D * config.norm_eps, np.array(1.0, dtype)
+        if B == 1:      # a row's norm in Python floats: 2 us, against 6 for the (B, 1) ufuncs' broadcasting
+            self.x_row, self.xn_row, self.norm = acts.x[0], acts.xn[0], np.empty((), dtype)
+            self._normalize = self._normalize_row
+        else:
+            self.sum_squares = np.empty((B, 1), dtype)
         threaded = layout == "in_place" and batch_size >= MIN_THREADED_ROWS
         self.blas_threads = None if threaded else DECODE_BLAS_THREADS     # None: as the process has it
 
@@ -104,43 +127,68 @@ class DecodeStep:
         key_bias, when given, broadcasts to (B, KVH, R, pos + 1): 0 where a key may be attended,
         -inf where not.
         """
-        with blas_threads(self.blas_threads):
+        with blas_threads(self.blas_threads), np.errstate(over="ignore"):   # exp(-a) -> inf gives silu 0, right
             return self._step(ids, pos, kv_cache, key_bias)
 
     def _step(self, ids, pos, kv_cache, key_bias):
-        proj = self.projections
-        x = proj.embed(ids)                                                 # (B,) -> (B, D)
+        acts, norm, minus_a = self.acts, self._normalize, self.minus_a
+        x = acts.x
+        self.projections.embed(ids, x)                                      # (B,) -> (B, D), the residual
         rotation = self.rotations[pos]                                      # (Dh/2,) complex
-        with np.errstate(over="ignore"):                                    # silu: exp(-a) -> inf gives 0, right
-            for layer, k_cache, v_cache in zip(proj.layers, kv_cache.k, kv_cache.v):
-                qkv = proj.qkv(layer, x)                                    # (B, D) -> (B, (H + 2 KVH) Dh)
-                x = x + proj.o(layer, self._attend(qkv, rotation, pos, k_cache, v_cache, key_bias))
-                ab = proj.gate_up(layer, x)                                 # (B, D) -> (B, 2F)
-                F = ab.shape[1] // 2
-                a, b = ab[:, :F], ab[:, F:]
-                x = x + proj.down(layer, a * b / (1.0 + np.exp(-a)))        # silu(a) * b: (B, F) -> (B, D)
-        return proj.logits(x)                                               # (B, D) -> (B, V)
+        for (qkv, o, gate_up, down), k_cache, v_cache in zip(self.projections.layers, kv_cache.k, kv_cache.v):
+            norm(x)
+            qkv()                                                           # xn -> qkv
+            self._attend(rotation, pos, k_cache, v_cache, key_bias)         # qkv -> att
+            o()                                                             # att -> res
+            x += acts.res
+            norm(x)
+            gate_up()                                                       # xn -> [-a | b]
+            np.multiply(minus_a, self.b, out=acts.g)                        # silu(a) b = a b / (1 + exp(-a)),
+            np.exp(minus_a, out=minus_a)                                    # here negated: -a b / (1 + exp(-a))
+            np.add(minus_a, self.one, out=minus_a)
+            np.divide(acts.g, minus_a, out=acts.g)
+            down()                                                          # g -> res = -down(silu(a) b)
+            x -= acts.res
+        norm(x)
+        self.projections.logits()                                           # xn -> logits
+        return acts.logits.copy()
 
-    def _attend(self, qkv, rotation, pos, k_cache, v_cache, key_bias):
+    def _normalize(self, x):
+        """acts.xn = x / sqrt(sum(x**2) + D eps), each row: RMSNorm without its weight and sqrt(D) (the
+        projections apply those). (B, D) -> (B, D)"""
+        ss = self.sum_squares
+        np.vecdot(x, x, keepdims=True, out=ss)
+        np.add(ss, self.d_eps, out=ss)
+        np.sqrt(ss, out=ss)
+        np.divide(x, ss, out=self.acts.xn)
+
+    def _normalize_row(self, x):
+        """_normalize of one row (x is acts.x)."""
+        x = self.x_row
+        self.norm[()] = math.sqrt(x.dot(x) + self.d_eps)
+        np.divide(x, self.norm, out=self.xn_row)
+
+    def _attend(self, rotation, pos, k_cache, v_cache, key_bias):
         """Attention of this position's q over keys and values 0 .. pos, after writing its k and v.
 
-        qkv (B, (H + 2 KVH) Dh) with q already scaled by 1/sqrt(Dh) -> (B, H Dh)."""
-        cfg = self.config
-        H, KVH, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        R, S, B = H // KVH, pos + 1, qkv.shape[0]
-        # RoPE on q and k at once, as complex pairs: (B, (H + KVH) Dh) -> (B, H + KVH, Dh/2)
-        qk = qkv[:, :(H + KVH) * Dh].view(self.complex_dtype).reshape(B, H + KVH, Dh // 2) * rotation
-        qk = qk.view(qkv.dtype)                                             # (B, H + KVH, Dh), rotated
-        k_cache[:, :, :, pos] = qk[:, H:]                                   # (B, KVH, Dh)
-        v_cache[:, :, pos, :Dh] = qkv[:, (H + KVH) * Dh:].reshape(B, KVH, Dh)
-        scores = qk[:, :H].reshape(B, KVH, R, Dh) @ k_cache[..., :S]       # (B, KVH, R, S)
+        acts.qkv (B, (H + 2 KVH) Dh), q already scaled by 1/sqrt(Dh) -> acts.att (B, H Dh)."""
+        np.multiply(self.qk, rotation, out=self.qk)                         # RoPE on q and k at once
+        k_cache[:, :, :, pos] = self.k                                      # (B, KVH, Dh)
+        v_cache[:, :, pos, :-1] = self.v
+        scores = np.matmul(self.q, k_cache[..., :pos + 1])                  # (B, KVH, R, S)
         if key_bias is not None:
             scores += key_bias
         scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
-        e = np.exp(scores, out=scores)
-        ev = e @ v_cache[:, :, :S]                                          # (B, KVH, R, Dh + 1): [sum e v | sum e]
-        att = ev[..., :Dh] / ev[..., Dh:]                                   # (B, KVH, R, Dh)
-        return att.reshape(B, H * Dh)
+        np.exp(scores, out=scores)
+        np.matmul(scores, v_cache[:, :, :pos + 1], out=self.ev)            # (B, KVH, R, Dh + 1)
+        np.divide(self.ev_sum, self.e_sum, out=self.att)
+
+
+def _view(a: np.ndarray, shape) -> np.ndarray:
+    """a seen in another shape, never a copy (raises if that needs one): the step writes through it."""
+    view = a.view()
+    view.shape = shape
+    return view
 
 
 class EngineDecoder(Decoder):

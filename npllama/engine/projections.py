@@ -1,313 +1,328 @@
-"""A decode step's linear layers, laid out two ways (engine.decode.DecodeStep picks one).
+"""A decode step's linear layers: products over fixed buffers, cut into pieces for one or two threads.
 
-A step asks its projections for these, per block and at the ends (B rows, one position each):
+A step (engine.decode.DecodeStep) keeps its activations in buffers made once per decoder, so
+each of its linear layers is a Product fixed when the step is made:
 
-    embed(ids)           (B,) ids -> (B, D) rows of tok_embeddings, in the compute dtype
-    qkv(layer, x)        residual x (B, D) -> (B, (H + 2 KVH) Dh): [q / sqrt(Dh) | k | v] of RMSNorm(x)
-    o(layer, att)        (B, H Dh) -> (B, D)
-    gate_up(layer, x)    residual x (B, D) -> (B, 2F): [w1 | w3] of RMSNorm(x)
-    down(layer, g)       (B, F) -> (B, D)
-    logits(x)            (B, D) -> (B, V) of the final RMSNorm(x)
+    product()      out = x @ W.T for its buffers x (B, in) and out (B, n), W its matrices stacked by rows
+
+A Product is a list of pieces, each one NumPy call on a block of W's rows, made once: a step
+then costs no Python beyond calling them. The pieces by the number of rows B:
+
+    B = 1          np.vecdot(W, x): one dot product per row of W, read in place, 1.7-2x the bandwidth
+                   of OpenBLAS's gemv on this (out, in) layout (measured on 2 cores: 17-30 vs 8-15
+                   GB/s, one thread), as fast as gemv on a transposed copy
+    B <= FEW_ROWS  W @ x.T a block of rows at a time, each small enough for OpenBLAS's small-matrix
+                   kernels (SMALL_GEMM_MNK), through transposed copies of x and out
+    more           one GEMM per matrix, on the process's BLAS threads
+    rows_first     x @ W for a W stored (in, n): one call, for tiny models (StackedProjections)
+
+and a matrix held in float16 / bfloat16 (or float32 under float64 activations, in tests) is turned
+into the activations' dtype a block of rows at a time, in a buffer that stays in cache
+(HALF_BLOCK_ELEMENTS), and multiplied there: DRAM only sees the 2-byte weights.
+
+Two threads. A Product whose weights are large enough (SPLIT_MIN_WEIGHTS) cuts W's rows in two
+halves, the second run by the decoder's helper thread (RowHalves) while the caller runs the first:
+a batch-1 step streams the weights from both cores at once. Each half is its own NumPy calls, so
+the dot products and their sums are the same whichever thread runs them.
+
+Two layouts of the weights (engine.decode.DecodeStep picks one by size):
+
+StackedProjections, for small models, where a step costs per NumPy call: [wq; wk; wv] and
+[w1; w3] stacked into one matrix each, with sqrt(D) g (the norm's weight) and 1/sqrt(Dh) folded in
+(stacked.fold_norms) and w1 and w2 negated (the step's SwiGLU works with -a; decode.py), each stored
+in the orientation OpenBLAS runs fastest for the batch size. Copies, made once per generation.
+
+InPlaceProjections, for large models, where a step costs per byte of weights read (110M: 438 MB
+a token): every matrix read where it is, as model.params holds it (Meta's (out, in) layout; a
+memory-mapped file's pages, or float16 / bfloat16), never copied; the gains, the q scale and the
+negation are applied to the activations instead (a Product's pre and post calls).
 
 Both normalise the same way: with r = (mean(x**2) + eps) ** -0.5 and the norm's weight g,
 
     x * r * g = x / sqrt(sum(x**2) + D eps) * (sqrt(D) g)
-
-StackedProjections, for small models, where a step costs per NumPy call: [wq; wk; wv] and
-[w1; w3] stacked into one matrix each, sqrt(D) g and 1/sqrt(Dh) folded into the matrices
-(stacked.fold_norms), each stored in the orientation OpenBLAS runs fastest for the batch size.
-Copies of every matrix, made once per generation: a few MB for such models.
-
-InPlaceProjections, for large models, where a step costs per byte of weights read (110M:
-438 MB a token): every matrix read where it is, as model.params holds it (Meta's (out, in)
-layout; a memory-mapped file's pages, or float16 / bfloat16 weights), never copied. One row
-runs np.vecdot(W, x), a dot product per row of W: 1.7-2x the bandwidth of OpenBLAS's gemv on
-this layout, W @ x (measured on 2 cores: 17-30 vs 8-15 GB/s, one thread), and as fast as gemv
-on a transposed copy. Up to FEW_ROWS rows run small GEMMs on blocks of W's rows (few_rows_gemm),
-a large matrix's halves on two threads (RowHalves); more rows, one GEMM per matrix. sqrt(D) g
-multiplies the normalised vector, 1/sqrt(Dh) the q part of the output. Half-held matrices go through
-ChunkedHalfLinear.
 """
 
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import numpy as np
 
 from ..config import LlamaConfig
 from ..model import layer_weights, output_weight_name
-from .fused import row_dot
 from .shards import available_cores
 from .stacked import fold_norms, stack_layers
 from .upcast import upcast, upcast_into
 
-if hasattr(np, "vecdot"):
-    def matvec_into(w, x, out):
-        """out (n,) = w (n, in) @ x (in,): one dot product per row of w, read in place."""
-        np.vecdot(w, x, out=out)
-else:
-    def matvec_into(w, x, out):
-        np.matmul(w, x, out=out)
-
 # Rows of a half-held matrix turned into float32 at a time: about 2^18 weights, a 1 MB buffer that
 # stays in L2 (measured at 110M: 64K-256K weights a block are best, a whole matrix ~10% slower; at
 # 7B the larger blocks keep the Python loop, ~8 us a block, under a tenth of a token's time).
-# The upcast is compute-bound (~2 G weights/s a core); cutting a matrix's rows among two Python
-# threads gained nothing here, with the second core taken by other work (110M float16: 15.5 vs 16.4).
 HALF_BLOCK_ELEMENTS = 1 << 18
 
 # OpenBLAS multiplies matrices with M * N * K <= 10^6 by its small-matrix kernels, which skip
 # packing the operands (its sgemm_small_kernel_permit on SkylakeX-class CPUs). For a few rows of x,
 # W cut into row blocks that small runs 1.5-1.9x faster than one GEMM (measured on one thread, 110M
-# shapes, 2-32 rows: 8 rows 40 against 25 GFLOP/s; one row past the bound falls back to 25); with
-# another BLAS the blocks cost a Python loop of ~2 us each, a few per cent of a step.
+# shapes, 2-32 rows: 8 rows 40 against 25 GFLOP/s; one row past the bound falls back to 25).
 SMALL_GEMM_MNK = 10 ** 6
-# Up to this many rows of x, a GEMM through an (out, in) matrix goes in such blocks (few_rows_gemm).
+# Up to this many rows of x, a GEMM through an (out, in) matrix goes in such blocks.
 FEW_ROWS = 32
 
+# A product of up to FEW_ROWS rows through at least this many weights is cut in two halves of W's
+# rows, the second on the helper thread (RowHalves). A hand-off costs ~20 us; half of a
+# 1 MB matrix read at ~10 GB/s saves ~50.
+SPLIT_MIN_WEIGHTS = 1 << 17
 
-def normalized(x, d_eps):
-    """x / sqrt(sum(x**2) + D eps) over the last axis: RMSNorm without its weight and sqrt(D). (B, D) -> (B, D)."""
-    ss = row_dot(x, x)
-    ss += d_eps
-    return x / np.sqrt(ss, out=ss)
+
+class RowHalves:
+    """The decoder's helper thread: runs one list of pieces (calls without arguments) while the
+    caller runs another, and returns when both are done.
+
+    The thread is started on first use and ended by close() (a Decoder closes its own at the end
+    of a generate call); it is a daemon, so an interpreter never waits for it. It waits on a lock
+    between jobs (no spinning): two lock calls a hand-off, the fewest Python has.
+    """
+
+    def __init__(self):
+        self._go, self._done = threading.Lock(), threading.Lock()
+        self._go.acquire()
+        self._done.acquire()
+        self._job = self._error = self._thread = None
+
+    def _serve(self):
+        while True:
+            self._go.acquire()
+            job = self._job
+            if job is None:
+                return
+            try:
+                for piece in job:
+                    piece()
+            except BaseException as e:      # handed to the caller, which raises it
+                self._error = e
+            self._done.release()
+
+    def run(self, theirs: list, ours: list) -> None:
+        """Call every piece of `theirs` on the helper thread and of `ours` on this one."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="npllama-row-halves", daemon=True)
+            self._thread.start()
+        self._job = theirs
+        self._go.release()
+        try:
+            for piece in ours:
+                piece()
+        finally:
+            self._done.acquire()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        """End the helper thread (it is idle between jobs) and wait for it."""
+        if self._thread is not None:
+            self._job = None
+            self._go.release()
+            self._thread.join()
+            self._thread = None
+
+
+def _through_buffer(w, block, pieces):
+    """Turn w (rows, in), held in another dtype, into block (same shape) and run pieces on it."""
+    upcast_into(w, block)
+    for piece in pieces:
+        piece()
+
+
+class Product:
+    """out = x @ W.T for fixed buffers x (B, in) and out (B, n), W = [ws[0]; ws[1]; ...] (n, in)
+    stacked by rows, each held (rows, in) in any float dtype; or out = x @ ws[0] with rows_first
+    (one matrix stored (in, n), x's dtype). pre and post are calls made before and after (a
+    norm's gain on x, a scale on out). Calling it computes out."""
+
+    def __init__(self, ws, x, out, halves: RowHalves | None = None, pre=(), post=(), rows_first=False,
+                 buffers=(None, None)):
+        B, n_in = x.shape
+        self.pre, self.post, self.halves = list(pre), list(post), None
+        if rows_first:                                              # x, out contiguous (Activations)
+            self.ours = [partial(np.dot, x, ws[0], out=out)]         # np.dot: ~1 us a call less than np.matmul
+            return
+        n = sum(w.shape[0] for w in ws)
+        if FEW_ROWS >= B > 1:                       # blocks of W @ x.T through transposed copies
+            self.xt, self.out_t = np.empty((n_in, B), x.dtype), np.empty((n, B), x.dtype)
+            self.pre.append(partial(np.copyto, self.xt, x.T))
+            self.post.insert(0, partial(np.copyto, out, self.out_t.T))
+        self.x, self.out = x, out
+        rows = [(w, start) for w, start in zip(ws, np.cumsum([0] + [w.shape[0] for w in ws]))]
+        if halves is not None and B <= FEW_ROWS and n * n_in >= SPLIT_MIN_WEIGHTS and available_cores() >= 2 \
+                and n >= 2:
+            self.halves = halves
+            self.ours = self._pieces(_rows_between(rows, 0, n // 2), buffers[0])
+            self.theirs = self._pieces(_rows_between(rows, n // 2, n), buffers[1])
+        else:
+            self.ours = self._pieces(rows, buffers[0])
+
+    @property
+    def call(self):
+        """The fastest callable computing out: the one piece itself when that is all there is."""
+        if len(self.ours) == 1 and not (self.pre or self.post or self.halves):
+            return self.ours[0]
+        return self
+
+    def __call__(self):
+        for call in self.pre:
+            call()
+        if self.halves is None:
+            for piece in self.ours:
+                piece()
+        else:
+            self.halves.run(self.theirs, self.ours)
+        for call in self.post:
+            call()
+
+    def _pieces(self, rows, buffer):
+        """The calls computing out's columns start .. start + len(w) for each (w, start) in rows."""
+        pieces = []
+        x = self.x
+        for w, start in rows:
+            if w.dtype == x.dtype:
+                pieces += self._same_dtype(w, start)
+                continue
+            step = max(1, HALF_BLOCK_ELEMENTS // w.shape[1])
+            for r0 in range(0, w.shape[0], step):
+                part = w[r0:r0 + step]
+                block = buffer[:part.size].reshape(part.shape)
+                pieces.append(partial(_through_buffer, part, block, self._same_dtype(block, start + r0)))
+        return pieces
+
+    def _same_dtype(self, w, start):
+        """Pieces for out[:, start:start + len(w)] = x @ w.T, w in x's dtype."""
+        x, out = self.x, self.out
+        B, rows = x.shape[0], w.shape[0]
+        if B == 1:
+            return [partial(np.vecdot, w, x[0], out=out[0, start:start + rows])]
+        if B > FEW_ROWS:
+            return [partial(np.matmul, x, w.T, out=out[:, start:start + rows])]
+        step = max(1, SMALL_GEMM_MNK // (w.shape[1] * B))
+        return [partial(np.matmul, w[r0:r0 + step], self.xt, out=self.out_t[start + r0:start + min(rows, r0 + step)])
+                for r0 in range(0, rows, step)]
+
+
+def _rows_between(rows, lo, hi):
+    """[(w, start)] cut to the stacked rows lo .. hi."""
+    found = []
+    for w, start in rows:
+        a, b = max(lo, start), min(hi, start + w.shape[0])
+        if a < b:
+            found.append((w[a - start:b - start], a))
+    return found
+
+
+def half_buffers(params: dict, dtype, max_in: int):
+    """Two upcast buffers (one a thread) when some matrix is not held in dtype, else (None, None)."""
+    if all(a.dtype == dtype for a in params.values()):
+        return None, None
+    return tuple(np.empty(max(HALF_BLOCK_ELEMENTS, max_in), dtype=dtype) for _ in range(2))
+
+
+class ChunkedHalfLinear:
+    """An upcast buffer for linear_in_place (engine/passes.py's classifier)."""
+
+    def __init__(self, max_in: int, dtype=np.float32):
+        self.buffer = np.empty(max(HALF_BLOCK_ELEMENTS, max_in), dtype=dtype)
+
+
+def linear_in_place(w, x, out, half_linear: ChunkedHalfLinear):
+    """out (N, n) = x (N, in) @ w.T with w (n, in) read as it is held, never copied: a Product made for
+    the call, through half_linear's buffer for a w held in another dtype than x's."""
+    Product([w], x, out, buffers=(half_linear.buffer, None))()
+
+
+class Activations:
+    """A step's buffers, made once per decoder, for batch_size rows in the compute dtype: the
+    projections read and write them (Product), the step's other ops work between them."""
+
+    def __init__(self, config: LlamaConfig, batch_size: int, dtype):
+        B, D, H, KVH, Dh, F = (batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim,
+                               config.hidden_dim)
+        self.x = np.empty((B, D), dtype)                         # the residual stream
+        self.xn = np.empty((B, D), dtype)                        # a norm's output: input of qkv, gate_up, logits
+        self.qkv = np.empty((B, (H + 2 * KVH) * Dh), dtype)     # [q / sqrt(Dh) | k | v]
+        self.att = np.empty((B, H * Dh), dtype)                  # attention's output: input of o
+        self.res = np.empty((B, D), dtype)                       # o's and down's output, added to the residual
+        self.ab = np.empty((B, 2 * F), dtype)                    # [-a | b] = [-w1 xn | w3 xn]
+        self.g = np.empty((B, F), dtype)                         # -silu(a) b: input of down
+        self.logits = np.empty((B, config.vocab_size), dtype)
 
 
 class StackedProjections:
     """Stacked, folded copies of the weights, oriented for the batch size (small models)."""
 
-    def __init__(self, params: dict, config: LlamaConfig, batch_size: int, halves: RowHalves | None = None):
-        H, Dh = config.n_heads, config.head_dim
-        self.halves = halves
+    def __init__(self, params: dict, config: LlamaConfig, acts: Activations, halves: RowHalves | None = None):
+        B, H, Dh = acts.xn.shape[0], config.n_heads, config.head_dim
         # OpenBLAS picks its kernel by shape. Measured per step (one thread): with 2 rows, x @ W
         # with W stored (in, out) beats (W @ x.T).T with W stored (out, in), as Meta has it, by
         # 1.4x on an 8M model; with 4+ rows the latter wins by up to 1.4x; with one row they tie
         # for dim 288, and x @ W saves ~0.5 us a matmul for dim 64, where calls dominate. Storing
         # (in, out) costs a transposing copy of every matrix at setup, so it is done only where it pays.
-        self.rows_first = batch_size == 2 or (batch_size == 1 and config.dim <= 128)
-        self.layers = [tuple(self._oriented(m) for m in (w.wqkv, w.wo, w.w13, w.w2))
-                       for w in (fold_norms(w, Dh, H) for w in stack_layers(params, config))]
-        self.embedding = params["tok_embeddings.weight"]
+        rows_first = B == 2 or (B == 1 and config.dim <= 128)
+        dtype = acts.xn.dtype
+
+        def product(w, x, out):
+            w = w.astype(dtype, copy=False)
+            return Product([np.ascontiguousarray(w.T) if rows_first else w], x, out, halves,
+                           rows_first=rows_first).call
+
+        self.layers = []
+        for w in (fold_norms(w, Dh, H) for w in stack_layers(params, config)):
+            F = w.w2.shape[1]
+            w13 = w.w13
+            w13[:F] *= -1                                         # fold_norms' copy: -w1, exact
+            self.layers.append((product(w.wqkv, acts.xn, acts.qkv), product(w.wo, acts.att, acts.res),
+                                product(w13, acts.xn, acts.ab), product(w.w2, acts.g, acts.res)))
         norm = params["norm.weight"]
-        self.output = self._oriented(params[output_weight_name(config)]
-                                     * (norm * np.sqrt(config.dim, dtype=np.float64)).astype(norm.dtype))
-        self.d_eps = config.dim * config.norm_eps
+        self.logits = product(params[output_weight_name(config)] * (norm * np.sqrt(config.dim, dtype=np.float64))
+                              .astype(norm.dtype), acts.xn, acts.logits)
+        self.embedding = params["tok_embeddings.weight"].astype(dtype, copy=False)
 
-    def _oriented(self, w):
-        return np.ascontiguousarray(w.T) if self.rows_first else w
-
-    def _linear(self, x, w):
-        """x (B, in) -> (B, out) through a matrix stored as _oriented made it."""
-        if self.rows_first:
-            return x @ w
-        if x.shape[0] == 1:                             # one dot product per row, as InPlaceProjections
-            out = np.empty((1, w.shape[0]), dtype=x.dtype)
-            matvec_into(w, x[0], out[0])
-            return out
-        if x.shape[0] > FEW_ROWS:
-            return x @ w.T
-        out = np.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
-        few_rows_linear(w, x, out, self.halves)
-        return out
-
-    def embed(self, ids):
-        return self.embedding.take(ids, axis=0)
-
-    def qkv(self, layer, x):
-        return np.ascontiguousarray(self._linear(normalized(x, self.d_eps), layer[0]))
-
-    def o(self, layer, att):
-        return self._linear(att, layer[1])
-
-    def gate_up(self, layer, x):
-        return self._linear(normalized(x, self.d_eps), layer[2])
-
-    def down(self, layer, g):
-        return self._linear(g, layer[3])
-
-    def logits(self, x):
-        return np.ascontiguousarray(self._linear(normalized(x, self.d_eps), self.output))
-
-
-class ChunkedHalfLinear:
-    """out = x @ W.T for a half-held W (rows, in): a block of rows at a time is turned into float32
-    in a buffer that stays in cache (engine.upcast.upcast_into) and multiplied there."""
-
-    def __init__(self, max_in: int, dtype=np.float32):
-        self.block_elements = HALF_BLOCK_ELEMENTS
-        self.buffer = np.empty(max(self.block_elements, max_in), dtype=dtype)
-
-    def __call__(self, w, x, out):
-        """w (rows, in) half-held; x (B, in) and out (B, rows) in the buffer's dtype (float32; float64 in tests)."""
-        rows, n_in = w.shape
-        step = max(1, self.block_elements // n_in)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            block = self.buffer[:(r1 - r0) * n_in].reshape(r1 - r0, n_in)
-            upcast_into(w[r0:r1], block)
-            if x.shape[0] == 1:
-                matvec_into(block, x[0], out[0, r0:r1])
-            elif x.shape[0] <= FEW_ROWS:
-                out[:, r0:r1] = few_rows_gemm(block, x)
-            else:
-                out[:, r0:r1] = x @ block.T
-
-
-def few_rows_gemm(w, x):
-    """x (N, in) @ w.T -> (N, n) for a few rows of x: W @ x.T a block of W's rows at a time, each
-    block small enough for BLAS's small-matrix kernels (SMALL_GEMM_MNK)."""
-    step = max(1, SMALL_GEMM_MNK // (w.shape[1] * x.shape[0]))
-    if step >= w.shape[0]:
-        return (w @ x.T).T                                             # small already: one call
-    xt = np.ascontiguousarray(x.T)                                     # (in, N)
-    out_t = np.empty((w.shape[0], x.shape[0]), dtype=x.dtype)          # (n, N)
-    for r0 in range(0, w.shape[0], step):
-        np.matmul(w[r0:r0 + step], xt, out=out_t[r0:r0 + step])
-    return out_t.T
-
-
-# A few rows' GEMM of at least this many multiply-adds is cut in two halves of W's rows, the second
-# on a helper thread (RowHalves): the small-matrix kernels use one thread, so the second core is
-# otherwise idle. Measured at 110M, 8 rows, all of a step's matrices: 40 against 49 ms with the
-# other core half taken by other work. A hand-off costs ~20 us, so small matrices stay on one thread.
-SPLIT_MIN_MACS = 1 << 21
-
-
-class RowHalves:
-    """out = x @ w.T for a few rows of x, w's rows in two halves: the second on a helper thread,
-    the first on the caller's. The same products as few_rows_gemm, though BLAS may sum a dot
-    product in another order for the halves' shapes (a rounding difference; the same bits every
-    call for the same shapes).
-
-    The helper thread is started on first use and ended by close() (a Decoder closes its own at
-    the end of a generate call); it is a daemon, so an interpreter never waits for it.
-    """
-
-    def __init__(self):
-        self._start, self._done = threading.Event(), threading.Event()
-        self._job = self._error = None
-        self._thread = None
-        self._closing = False
-
-    def _serve(self):
-        while True:
-            self._start.wait()
-            self._start.clear()
-            if self._closing:
-                return
-            w, x, out = self._job
-            try:
-                out[...] = few_rows_gemm(w, x)
-            except BaseException as e:      # handed to the caller, which raises it
-                self._error = e
-            self._done.set()
-
-    def __call__(self, w, x, out) -> None:
-        """Fill out (N, n) = x @ w.T."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="npllama-row-halves", daemon=True)
-            self._thread.start()
-        half = w.shape[0] // 2
-        self._job, self._error = (w[half:], x, out[:, half:]), None
-        self._done.clear()
-        self._start.set()
-        try:
-            out[:, :half] = few_rows_gemm(w[:half], x)
-        finally:
-            self._done.wait()
-            self._job = None
-        if self._error is not None:
-            raise self._error
-
-    def close(self) -> None:
-        """End the helper thread (it is idle between calls) and wait for it."""
-        if self._thread is not None:
-            self._closing = True
-            self._start.set()
-            self._thread.join()
-            self._thread = None
-
-
-def few_rows_linear(w, x, out, halves: RowHalves | None = None):
-    """out (N, n) = x (N, in) @ w.T for N <= FEW_ROWS: few_rows_gemm, on two cores (halves) when
-    the GEMM is large enough to pay for the hand-off (SPLIT_MIN_MACS) and the process may use two."""
-    if (halves is not None and w.shape[0] * w.shape[1] * x.shape[0] >= SPLIT_MIN_MACS and w.shape[0] >= 2
-            and available_cores() >= 2):
-        halves(w, x, out)
-    else:
-        out[...] = few_rows_gemm(w, x)
-
-
-def linear_in_place(w, x, out, half_linear: ChunkedHalfLinear, halves: RowHalves | None = None):
-    """out (N, n) = x (N, in) @ w.T with w (n, in) read as it is held, never copied: one dot product
-    per row of w for one row of x, small GEMMs for a few (few_rows_linear, on two cores with
-    halves), one GEMM for many, and half_linear for a w held in another dtype than x's (float16 /
-    bfloat16, or float32 under a float64 x)."""
-    if w.dtype != x.dtype:
-        half_linear(w, x, out)
-    elif x.shape[0] == 1:
-        matvec_into(w, x[0], out[0])
-    elif x.shape[0] <= FEW_ROWS:
-        few_rows_linear(w, x, out, halves)
-    else:
-        np.matmul(x, w.T, out=out)
+    def embed(self, ids, out):
+        """out (B, D) = the embeddings of ids (B,)."""
+        np.take(self.embedding, ids, axis=0, out=out)
 
 
 class InPlaceProjections:
     """The parameters read where they are (large models, memory-mapped or half-held weights)."""
 
-    def __init__(self, params: dict, config: LlamaConfig, dtype, halves: RowHalves | None = None):
-        D, H, KVH, Dh = config.dim, config.n_heads, config.n_kv_heads, config.head_dim
-        self.halves = halves
-        self.dtype = np.dtype(dtype)
+    def __init__(self, params: dict, config: LlamaConfig, acts: Activations, halves: RowHalves | None = None):
+        D, H, Dh, F = config.dim, config.n_heads, config.head_dim, config.hidden_dim
+        self.dtype = dtype = acts.xn.dtype
         sqrt_d = np.sqrt(D, dtype=np.float64)
+        buffers = half_buffers(params, dtype, max(D, F))
 
         def gain(norm_weight):          # sqrt(D) g, in the compute dtype (a (D,) copy)
-            return (upcast(norm_weight, np.float64) * sqrt_d).astype(self.dtype)
+            return (upcast(norm_weight, np.float64) * sqrt_d).astype(dtype)
 
-        self.layers = [(w, gain(w.attention_norm), gain(w.ffn_norm))
-                       for w in (layer_weights(params, i) for i in range(config.n_layers))]
+        def product(ws, x, out, pre=(), post=()):
+            return Product(ws, x, out, halves, pre, post, buffers=buffers).call
+
+        q, minus_a = acts.qkv[:, :H * Dh], acts.ab[:, :F]
+        q_scale = np.array(1.0 / np.sqrt(Dh), dtype)
+        self.layers = []
+        for w in (layer_weights(params, i) for i in range(config.n_layers)):
+            attention_gain, ffn_gain = gain(w.attention_norm), gain(w.ffn_norm)
+            self.layers.append((
+                product((w.wq, w.wk, w.wv), acts.xn, acts.qkv,
+                        pre=[partial(np.multiply, acts.xn, attention_gain, out=acts.xn)],
+                        post=[partial(np.multiply, q, q_scale, out=q)]),
+                product((w.wo,), acts.att, acts.res),
+                product((w.w1, w.w3), acts.xn, acts.ab, pre=[partial(np.multiply, acts.xn, ffn_gain, out=acts.xn)],
+                        post=[partial(np.negative, minus_a, out=minus_a)]),
+                product((w.w2,), acts.g, acts.res)))
+        final_gain = gain(params["norm.weight"])
+        self.logits = product((params[output_weight_name(config)],), acts.xn, acts.logits,
+                              pre=[partial(np.multiply, acts.xn, final_gain, out=acts.xn)])
         self.embedding = params["tok_embeddings.weight"]
-        self.output = params[output_weight_name(config)]
-        self.final_gain = gain(params["norm.weight"])
-        self.d_eps = D * config.norm_eps
-        self.q_end, self.qkv_width = H * Dh, (H + 2 * KVH) * Dh
-        self.q_scale = self.dtype.type(1.0 / np.sqrt(Dh))
-        self.half_linear = ChunkedHalfLinear(max(D, config.hidden_dim), self.dtype)
 
-    def _project(self, ws, x, width):
-        """[x @ w.T for w in ws] side by side in one (B, width) array."""
-        out = np.empty((x.shape[0], width), dtype=self.dtype)
-        start = 0
-        for w in ws:
-            linear_in_place(w, x, out[:, start:start + w.shape[0]], self.half_linear, self.halves)
-            start += w.shape[0]
-        return out
-
-    def _normalized(self, x, gain):
-        xn = normalized(x, self.d_eps)
-        xn *= gain
-        return xn
-
-    def embed(self, ids):
-        return upcast(self.embedding.take(ids, axis=0), self.dtype)
-
-    def qkv(self, layer, x):
-        w, attention_gain, _ = layer
-        out = self._project((w.wq, w.wk, w.wv), self._normalized(x, attention_gain), self.qkv_width)
-        out[:, :self.q_end] *= self.q_scale
-        return out
-
-    def o(self, layer, att):
-        return self._project((layer[0].wo,), att, layer[0].wo.shape[0])
-
-    def gate_up(self, layer, x):
-        w, _, ffn_gain = layer
-        return self._project((w.w1, w.w3), self._normalized(x, ffn_gain), 2 * w.w1.shape[0])
-
-    def down(self, layer, g):
-        return self._project((layer[0].w2,), g, layer[0].w2.shape[0])
-
-    def logits(self, x):
-        return self._project((self.output,), self._normalized(x, self.final_gain), self.output.shape[0])
+    def embed(self, ids, out):
+        """out (B, D) = the embeddings of ids (B,), in out's dtype."""
+        upcast_into(self.embedding.take(ids, axis=0), out)

@@ -119,7 +119,7 @@ LAYOUTS = st.sampled_from(["stacked", "in_place"])
 def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, split, seed):
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
     as large models' are, whatever its size and the machine's cores."""
-    with mock.patch.object(projections, "SPLIT_MIN_MACS", 0 if split else projections.SPLIT_MIN_MACS), \
+    with mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
             mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
         _decode_equals_the_reference(cfg, B, P, layout, seed)
 
@@ -310,27 +310,32 @@ def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused
     engine_settings.set_blas_threads(before)
 
 
-def test_row_halves_equal_one_gemm_pass_errors_on_and_end_their_thread():
+@pytest.mark.parametrize("rows", [1, 5, 40])                  # one dot product a row, small GEMMs, one GEMM
+def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_their_thread(monkeypatch, rows):
+    monkeypatch.setattr(projections, "SPLIT_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(projections, "available_cores", lambda: 2)
     rng = np.random.default_rng(0)
-    w, x = rng.standard_normal((301, 40)), rng.standard_normal((5, 40))
+    ws, x = [rng.standard_normal((301, 40)), rng.standard_normal((6, 40))], rng.standard_normal((rows, 40))
     halves = projections.RowHalves()
-    out = np.empty((5, 301))
-    halves(w, x, out)
-    assert rel_error(out, x @ w.T) < TOL
-    again = np.empty((5, 301))
-    halves(w, x, again)
-    assert np.array_equal(again, out)                        # the same bits every call
-    with pytest.raises(ValueError):                          # the halves fail: the caller raises
-        halves(w, x[:, :7], np.empty((5, 301)))
-    halves(w, x, again)
-    assert np.array_equal(again, out)                        # and the helper is free again
+    out = np.empty((rows, 307))
+    product = projections.Product(ws, x, out, halves)
+    assert (product.halves is halves) == (rows <= projections.FEW_ROWS)
+    product()
+    assert rel_error(out, x @ np.concatenate(ws).T) < TOL
+    first = out.copy()
+    product()
+    assert np.array_equal(out, first)                        # the same bits every call
+    with pytest.raises(ValueError):                          # a piece fails on the helper: the caller raises
+        halves.run([lambda: np.ones(3) @ np.ones(4)], [])
+    product()
+    assert np.array_equal(out, first)                        # and the helper is free again
     thread = halves._thread
     halves.close()
-    assert not thread.is_alive()
+    assert thread is None or not thread.is_alive()
 
 
 def test_a_generate_call_leaves_no_helper_thread_behind(monkeypatch):
-    monkeypatch.setattr(projections, "SPLIT_MIN_MACS", 0)
+    monkeypatch.setattr(projections, "SPLIT_MIN_WEIGHTS", 0)
     monkeypatch.setattr(projections, "available_cores", lambda: 2)
     monkeypatch.setattr(decode, "STACKED_MAX_BYTES", 0)
     import threading
