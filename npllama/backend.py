@@ -106,6 +106,7 @@ class ReferenceBackend:
     """The readable reference behind Llama: single-threaded, no process-wide settings."""
 
     name = "reference"
+    scores_in_blocks = False        # the prefill's attention scores (B, H, P, P) whole (npllama.memory)
 
     def new_params(self, config: LlamaConfig, dtype) -> dict:
         """Uninitialised arrays of every parameter, each its own array."""

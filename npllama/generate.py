@@ -195,7 +195,8 @@ def _require_memory(model, prompts) -> None:
     cannot fit (npllama.memory.generate_bytes)."""
     cfg, B = model.config, len(prompts)
     stacked = model.backend.decoder_copy_bytes(model.params, model.dtype)
-    memory.require(memory.generate_bytes(cfg, B, max(len(p) for p in prompts), model.dtype.itemsize, stacked),
+    memory.require(memory.generate_bytes(cfg, B, max(len(p) for p in prompts), model.dtype.itemsize, stacked,
+                                         model.backend.scores_in_blocks),
                    f"generating from {B} prompt(s) with a cache of {cfg.max_seq_len} positions x {cfg.n_layers} layers",
                    "fewer prompts at once, shorter prompts, or a smaller max_seq_len")
 

@@ -136,18 +136,25 @@ def lora_bytes(config: LlamaConfig, rank: int, targets, itemsize: int) -> int:
     return config.n_layers * per_layer * itemsize + 8 * largest_a
 
 
-def generate_bytes(config: LlamaConfig, batch_size: int, prompt_len: int, itemsize: int, stacked_bytes: int) -> int:
+def generate_bytes(config: LlamaConfig, batch_size: int, prompt_len: int, itemsize: int, stacked_bytes: int,
+                   scores_in_blocks: bool = False) -> int:
     """Decoding batch_size prompts of up to prompt_len tokens from a model already held: the KV
     cache; stacked_bytes, the weights' copy the decode step keeps (engine.decode: stacked for small
-    models, none for large ones); the prefill, which runs one layer at a time (its activations and
-    attention probabilities (B, H, P, P), its mask, and the layer's weights stacked or upcast);
-    each step's logits and the sampling's copies of them, (B, V) a few times."""
+    models, none for large ones); the prefill: the reference's forward keeps every layer's caches,
+    the attention probabilities (B, H, P, P) whole, and the logits of every position (model.forward
+    returns them all); the engine's (scores_in_blocks) runs one layer at a time, its attention in
+    query blocks (running_layer_bytes); its mask, and a layer's weights stacked or upcast; each
+    step's logits and the sampling's copies of them, (B, V) a few times."""
     one_layer = config.replace(n_layers=1)
     layer_weights = (one_layer.n_params() - config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
                      - config.dim) * itemsize
-    scores = batch_size * config.n_heads * prompt_len ** 2 * itemsize        # one more temporary of them
-    prefill = (activation_bytes(one_layer, batch_size, prompt_len, itemsize) + scores + batch_size * prompt_len ** 2
-               + layer_weights)
+    if scores_in_blocks:
+        layer = running_layer_bytes(one_layer, batch_size, prompt_len, itemsize)
+    else:
+        scores = batch_size * config.n_heads * prompt_len ** 2 * itemsize        # one more temporary of them
+        all_logits = batch_size * prompt_len * config.vocab_size * itemsize      # (B, P, V): every position's
+        layer = activation_bytes(config, batch_size, prompt_len, itemsize) + scores + all_logits
+    prefill = layer + batch_size * prompt_len ** 2 + layer_weights
     logits = 6 * batch_size * config.vocab_size * 8
     return kv_cache_bytes(config, batch_size, itemsize) + stacked_bytes + prefill + logits
 

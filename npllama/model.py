@@ -89,7 +89,7 @@ class LoraGrads(NamedTuple):
 
 def layer_param_names(i: int) -> LayerWeights:
     """The Meta names of block i's parameters, as a LayerWeights of strings."""
-    return LayerWeights(*(f"layers.{i}.{LAYER_PARAM_NAMES[f]}" for f in LayerWeights._fields))
+    return LayerWeights(*[f"layers.{i}.{LAYER_PARAM_NAMES[f]}" for f in LayerWeights._fields])
 
 
 def layer_weights(params: dict, i: int) -> LayerWeights:

@@ -25,7 +25,6 @@ import npllama
 from npllama import cli, memory
 from npllama.cli import gradcheck as gradcheck_command
 from npllama.engine import pass_footprint
-from npllama.engine.decode import choose_layout
 from npllama.errors import MemoryLimitError
 from npllama.io.llama2c import LLAMA2C_MAGIC
 from npllama.io.metadata import model_metadata
@@ -407,20 +406,21 @@ def test_gradcheck_s_estimate_holds_against_its_peak(shape, batch, seq):
     assert within(peak, memory.gradcheck_bytes(cfg, batch, seq)), (peak, memory.gradcheck_bytes(cfg, batch, seq))
 
 
-@settings(max_examples=6)
+@settings(max_examples=8)
 @given(shapes(max_layers=4, max_head_dim=32, max_vocab=3000), st.integers(1, 3), st.integers(1, 200),
-       st.sampled_from([np.float32, np.float64]))
-def test_generation_s_estimate_holds_against_its_peak(shape, batch, prompt_len, dtype):
+       st.sampled_from([np.float32, np.float64]), st.sampled_from(["engine", "reference"]))
+def test_generation_s_estimate_holds_against_its_peak(shape, batch, prompt_len, dtype, backend):
     cfg = npllama.LlamaConfig(dim=shape["n_heads"] * shape["head_dim"], n_layers=shape["n_layers"],
                               n_heads=shape["n_heads"], n_kv_heads=shape["n_kv_heads"],
                               vocab_size=shape["vocab_size"], max_seq_len=prompt_len + 16)
-    model = npllama.Llama(cfg, dtype=dtype)
+    model = npllama.Llama(cfg, dtype=dtype, backend=backend)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, max(1, prompt_len - b)) for b in range(batch)]
     _, peak = peak_of(lambda: model.generate_batch(prompts, 16, temperature=0.9, top_p=0.9, repetition_penalty=1.1,
                                                    seed=0))
-    stacked = sum(a.nbytes for a in model.params.values()) if choose_layout(model.params) == "stacked" else 0
-    estimate = memory.generate_bytes(cfg, batch, prompt_len, np.dtype(dtype).itemsize, stacked)
+    stacked = model.backend.decoder_copy_bytes(model.params, model.dtype)
+    estimate = memory.generate_bytes(cfg, batch, prompt_len, np.dtype(dtype).itemsize, stacked,
+                                     model.backend.scores_in_blocks)
     assert within(peak, estimate), (peak, estimate)
 
 

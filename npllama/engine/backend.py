@@ -28,6 +28,7 @@ class EngineBackend:
     """npllama's fast backend (module docstring); tested equal to backend.ReferenceBackend."""
 
     name = "engine"
+    scores_in_blocks = True         # the prefill's attention in query blocks (attention.py; npllama.memory)
 
     def new_params(self, config: LlamaConfig, dtype) -> dict:
         """Uninitialised parameters as views of one new flat array (layout.FlatLayout order)."""

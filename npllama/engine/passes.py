@@ -43,7 +43,7 @@ from .cache import DecodeCache
 from .fused import add_rows, cross_entropy_in_place, rms_backward, rms_rstd
 from .layout import FlatLayout, stacked_views
 from .lora import adapted_layers
-from .projections import ChunkedHalfLinear, linear_in_place
+from .projections import linear_in_place
 from .settings import blas_threads
 from .shards import ShardSums, _executor, available_cores, n_shards, product, resolve_workers, run_sharded, value
 from .stacked import stack_layer
@@ -263,7 +263,7 @@ def _shard_forward(p: ForwardPass, rows: slice, tokens, positions: slice = slice
     xn = x * rms_rstd(x, cfg.norm_eps)
     xn *= upcast(p.params["norm.weight"], p.dtype)
     logits = np.empty((xn.shape[0], cfg.vocab_size), dtype=p.dtype)
-    linear_in_place(p.params[output_weight_name(cfg)], xn, logits, ChunkedHalfLinear(cfg.dim, p.dtype))
+    linear_in_place(p.params[output_weight_name(cfg)], xn, logits)
     return logits if p.last_only else logits.reshape(b, T, -1)           # (b T, V) -> (b, T, V)
 
 

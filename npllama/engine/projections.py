@@ -225,17 +225,12 @@ def half_buffers(params: dict, dtype, max_in: int):
     return tuple(np.empty(max(HALF_BLOCK_ELEMENTS, max_in), dtype=dtype) for _ in range(2))
 
 
-class ChunkedHalfLinear:
-    """An upcast buffer for linear_in_place (engine/passes.py's classifier)."""
-
-    def __init__(self, max_in: int, dtype=np.float32):
-        self.buffer = np.empty(max(HALF_BLOCK_ELEMENTS, max_in), dtype=dtype)
-
-
-def linear_in_place(w, x, out, half_linear: ChunkedHalfLinear):
+def linear_in_place(w, x, out):
     """out (N, n) = x (N, in) @ w.T with w (n, in) read as it is held, never copied: a Product made for
-    the call, through half_linear's buffer for a w held in another dtype than x's."""
-    Product([w], x, out, buffers=(half_linear.buffer, None))()
+    the call, upcasting blocks of w through a buffer of HALF_BLOCK_ELEMENTS when w is held in another
+    dtype than x's (none otherwise)."""
+    buffer = None if w.dtype == x.dtype else np.empty(max(HALF_BLOCK_ELEMENTS, w.shape[1]), dtype=x.dtype)
+    Product([w], x, out, buffers=(buffer, None))()
 
 
 class Activations:
