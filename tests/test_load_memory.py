@@ -16,6 +16,7 @@ from npllama import cli
 from npllama.io import checkpoint as ck
 from npllama.io.errors import CheckpointError
 from npllama.io.mapped import is_file_mapped
+from npllama.io.metadata import CHECKSUM_KEY
 from npllama.io.safetensors import read_safetensors_header
 from npllama.storage import float32_to_bfloat16, to_float
 
@@ -174,3 +175,35 @@ def test_the_footprint_worked_out_before_loading_is_what_the_load_holds(tmp_path
                 assert tuple(loaded.footprint) == want, (name, dtype, mapped)
                 assert loaded.footprint.total == sum(p.nbytes for p in held) > 0
                 assert f"holds {loaded.footprint.describe()}" in loaded.notes
+
+
+PEAK_OF_A_LOAD = """
+import json, sys, npllama
+import npllama.engine, npllama.io, npllama.llama        # their imports are not the load's memory
+def status():
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+before = status()
+model = npllama.load(sys.argv[1], dtype=sys.argv[2], mmap=True)
+held = sum(a.nbytes for a in model.params.values())
+print(json.dumps({"rise": status()["VmHWM"] - before["VmRSS"], "held": held}))
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads peak RSS from /proc (Linux)")
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_a_verified_converting_load_holds_the_converted_weights_not_the_file_s_pages_too(tmp_path, storage):
+    """The checksum check reads every page of a mapped file; a load converting float32 to half
+    precision hands them back as it goes, so its peak is what it holds plus one tensor's
+    temporaries (1.1-1.3x here), not the file's pages too (2.0-2.2x before)."""
+    import json
+    import subprocess
+    import sys
+    cfg = npllama.LlamaConfig(dim=512, n_layers=6, n_heads=8, vocab_size=256, max_seq_len=64)
+    path = npllama.save(npllama.Llama(cfg, seed=0), tmp_path / "m.safetensors", format="meta")
+    header = path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")]
+    assert CHECKSUM_KEY.encode() in header                     # the load verifies (reads every page)
+    done = subprocess.run([sys.executable, "-c", PEAK_OF_A_LOAD, str(path), storage], capture_output=True, text=True,
+                          check=True)
+    found = json.loads(done.stdout)
+    assert found["rise"] < 1.5 * found["held"], found

@@ -221,6 +221,8 @@ def map_safetensors(path, verify: bool = True, mapped: bool = True) -> tuple[dic
                else np.empty(0, dt)).reshape(shape)
         if verifier is not None:
             verifier.check(name, arr)
+            if mapped:      # the check read every page: hand them back (they read back from the file when
+                release_pages(arr)  # used), or a converting load holds the file's pages and its copy at once
         if not arr.flags.aligned or not dt.isnative:    # unaligned data (no padded header) or a big-endian host
             arr = arr.astype(dt.newbyteorder("="))
         tensors[name], codes[name] = arr, st
