@@ -128,6 +128,8 @@ COVERAGE = {
     "python tools/bench_decode.py": CI,
     "python tools/bench_finetune.py": CI,
     "python tools/bench_integrity.py": CI,
+    "python tools/bench_versions.py --other ../baseline":
+        CoveredBy("tests/test_tools.py::test_bench_versions_compares_two_checkouts_interleaved"),
     # docs/training.md
     "npllama train --resume": Run(extra=("--max-steps", "14"), trained=True, stdout="done: "),
     f"npllama plot {RUN_DIR}": Run(trained=True, stdout="o validation"),

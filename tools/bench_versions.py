@@ -1,6 +1,8 @@
 """Two checkouts of npllama against each other: training steps and batch-1 decode, interleaved.
 
-    python tools/bench_versions.py --other /path/to/older/checkout [--rounds 5]
+    python tools/bench_versions.py --other ../baseline [--rounds 5] [--train p b c] [--decode 15M 110M]
+
+(a checkout of an older commit: git worktree add ../baseline <commit>)
 
 For the closing note of a change that must not slow anything down (a restructure): each round
 runs every case once on this checkout and once on the other, alternating which goes first, each
@@ -81,14 +83,16 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are reported")
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds of training steps per side per round")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens each decode generates")
+    parser.add_argument("--train", nargs="*", choices=list(TRAIN), default=list(TRAIN), help="training configurations")
+    parser.add_argument("--decode", nargs="*", choices=["15M", "110M"], default=["15M", "110M"], help="decode models")
     parser.add_argument("--models-dir", type=Path, default=Path.home() / ".cache" / "npllama" / "bench",
                         help="where bench_decode.py keeps its random models")
     args = parser.parse_args(argv)
     other = args.other.resolve()
     if not (other / "npllama" / "__init__.py").is_file():
         parser.error(f"--other {other}: not an npllama checkout (no npllama/__init__.py)")
-    cases = {f"train {name}": (TRAIN_SNIPPET, [kw, B, T, args.seconds]) for name, (kw, B, T) in TRAIN.items()}
-    for name in ("15M", "110M"):
+    cases = {f"train {name}": (TRAIN_SNIPPET, [*TRAIN[name], args.seconds]) for name in args.train}
+    for name in args.decode:
         path = args.models_dir / f"{name}.safetensors"
         if path.is_file():
             cases[f"decode {name}"] = (DECODE_SNIPPET, [str(path), args.new_tokens])
