@@ -34,6 +34,7 @@ from ..config import LlamaConfig
 from ..backend import Decoder
 from .settings import blas_threads
 from .cache import DecodeCache
+from .fused import row_dot
 from .passes import forward
 from .projections import FEW_ROWS, Activations, InPlaceProjections, RowHalves, StackedProjections
 from .upcast import has_half
@@ -157,7 +158,7 @@ class DecodeStep:
         """acts.xn = x / sqrt(sum(x**2) + D eps), each row: RMSNorm without its weight and sqrt(D) (the
         projections apply those). (B, D) -> (B, D)"""
         ss = self.sum_squares
-        np.vecdot(x, x, keepdims=True, out=ss)
+        row_dot(x, x, out=ss)
         np.add(ss, self.d_eps, out=ss)
         np.sqrt(ss, out=ss)
         np.divide(x, ss, out=self.acts.xn)

@@ -25,11 +25,15 @@ ONE_HOT_MAX_VOCAB = 128
 
 # row_dot(a, b): sum(a * b) over the last axis, kept, (N, D) -> (N, 1). np.vecdot (NumPy >= 2.0) is
 # one ufunc call, half of einsum's time at D = 64; NumPy 1.x gets the einsum.
+# Both take out= (N, 1).
 if hasattr(np, "vecdot"):
     row_dot = functools.partial(np.vecdot, keepdims=True)
 else:
-    def row_dot(a, b):
-        return np.einsum("...d,...d->...", a, b)[..., None]
+    def row_dot(a, b, out=None):
+        if out is None:
+            return np.einsum("...d,...d->...", a, b)[..., None]
+        np.einsum("...d,...d->...", a, b, out=out[..., 0])
+        return out
 
 
 def rms_rstd(x, eps):

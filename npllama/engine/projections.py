@@ -8,9 +8,10 @@ each of its linear layers is a Product fixed when the step is made:
 A Product is a list of pieces, each one NumPy call on a block of W's rows, made once: a step
 then costs no Python beyond calling them. The pieces by the number of rows B:
 
-    B = 1          np.vecdot(W, x): one dot product per row of W, read in place, 1.7-2x the bandwidth
-                   of OpenBLAS's gemv on this (out, in) layout (measured on 2 cores: 17-30 vs 8-15
-                   GB/s, one thread), as fast as gemv on a transposed copy
+    B = 1          np.vecdot(W, x): one dot product per row of W, read in place, 1.7-2x the
+                   bandwidth of OpenBLAS's gemv on this (out, in) layout (measured on 2 cores:
+                   17-30 vs 8-15 GB/s, one thread), as fast as gemv on a transposed copy
+                   (NumPy 1.x, which has no vecdot: the gemv, W @ x)
     B <= FEW_ROWS  W @ x.T a block of rows at a time, each small enough for OpenBLAS's small-matrix
                    kernels (SMALL_GEMM_MNK), through transposed copies of x and out
     more           one GEMM per matrix, on the process's BLAS threads
@@ -59,6 +60,10 @@ from .upcast import upcast, upcast_into
 # stays in L2 (measured at 110M: 64K-256K weights a block are best, a whole matrix ~10% slower; at
 # 7B the larger blocks keep the Python loop, ~8 us a block, under a tenth of a token's time).
 HALF_BLOCK_ELEMENTS = 1 << 18
+
+# One row through W (n, in): np.vecdot (NumPy >= 2.0), a dot product per row of W read in place;
+# NumPy 1.x gets OpenBLAS's gemv.
+_matvec = np.vecdot if hasattr(np, "vecdot") else np.matmul
 
 # OpenBLAS multiplies matrices with M * N * K <= 10^6 by its small-matrix kernels, which skip
 # packing the operands (its sgemm_small_kernel_permit on SkylakeX-class CPUs). For a few rows of x,
@@ -200,7 +205,7 @@ class Product:
         x, out = self.x, self.out
         B, rows = x.shape[0], w.shape[0]
         if B == 1:
-            return [partial(np.vecdot, w, x[0], out=out[0, start:start + rows])]
+            return [partial(_matvec, w, x[0], out=out[0, start:start + rows])]
         if B > FEW_ROWS:
             return [partial(np.matmul, x, w.T, out=out[:, start:start + rows])]
         step = max(1, SMALL_GEMM_MNK // (w.shape[1] * B))
