@@ -29,11 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tools.bench_train import CONFIGS  # noqa: E402
 from tools.benchkit import load_average  # noqa: E402
 
-TRAIN = {"p": (dict(dim=128, n_layers=4, n_heads=4, vocab_size=65, max_seq_len=64), 16, 64),
-         "b": (dict(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=65, max_seq_len=256), 16, 256),
-         "c": (dict(dim=288, n_layers=6, n_heads=6, vocab_size=4096, max_seq_len=256), 8, 256)}
+TRAIN = {name: CONFIGS[name] for name in ("p", "b", "c")}      # bench_train.py's own shapes
 
 TRAIN_SNIPPET = textwrap.dedent("""
     import json, sys, time, numpy as np, npllama
