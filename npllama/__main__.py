@@ -10,7 +10,9 @@ traceback:
                          e.g. NumPy's "could not import module datetime"); a second one ends the
                          process at once
     while a command runs it raises KeyboardInterrupt(signal), which npllama.cli.main reports
-                         (training stops at a step boundary and saves first: train/loop.py)
+                         (training stops at a step boundary and saves first: train/loop.py); in
+                         the middle of an import (NumPy imports some modules on first use) it
+                         is held until the import is done (npllama/interrupts.py)
     once it has returned the process ends at once with that code, quietly: the outcome is decided
 
 What no code of npllama can cover: the interpreter's own start-up (its `site` imports, ~0.1 s)
@@ -35,7 +37,7 @@ def main(argv=None) -> int:
         code = command_line(argv)
     except KeyboardInterrupt as e:                  # while starting, or parsing the arguments
         exit_on_stop_signals().__enter__()
-        print(f"npllama: interrupted by {interrupt_signal(e).name}", file=sys.stderr)
+        sys.stderr.write(f"npllama: interrupted by {interrupt_signal(e).name}\n")     # one write: cli/args.py say
         return exit_code(interrupt_signal(e))
     exit_on_stop_signals().__enter__()
     return code

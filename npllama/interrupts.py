@@ -15,6 +15,13 @@ The exit code after a signal is 128 + its number, what a shell reports for a pro
 killed: 130 SIGINT, 143 SIGTERM, 129 SIGHUP. Python runs a signal handler between bytecodes in
 the main thread, so a signal arriving inside one long NumPy call takes effect when it returns.
 
+Never in the middle of an import: a KeyboardInterrupt raised while a module runs its top-level
+code can be lost or mangled by the code importing it (seen: NumPy imports numpy.random on first
+use, and an interrupt raised inside its Cython modules' initialisation vanished, so `generate`
+ran to its end; another left a half-made module behind and a second KeyboardInterrupt at exit).
+So a signal that comes during an import is sent again RETRY_SECONDS later, until it finds the
+main thread outside any import.
+
 This module imports the standard library only: the launcher imports it before NumPy.
 """
 
@@ -23,6 +30,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+
+RETRY_SECONDS = 0.005
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
@@ -42,6 +51,29 @@ def interrupt_detail(error: KeyboardInterrupt) -> str:
 def exit_code(sig: int) -> int:
     """128 + the signal's number: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP."""
     return 128 + int(sig)
+
+
+def _importing(frame) -> bool:
+    """True when frame or one of its callers is importlib running an import."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith("<frozen importlib._bootstrap") or name.endswith(("importlib/_bootstrap.py",
+                                                                              "importlib/_bootstrap_external.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def raise_interrupt(sig: signal.Signals, frame) -> None:
+    """Raise KeyboardInterrupt(sig) where the main thread is (frame); during an import, send sig
+    again RETRY_SECONDS later instead (module docstring), to be handled by whatever handler is in
+    place by then."""
+    if _importing(frame):
+        again = threading.Timer(RETRY_SECONDS, os.kill, (os.getpid(), int(sig)))
+        again.daemon = True
+        again.start()
+        return
+    raise KeyboardInterrupt(sig)
 
 
 class _Handlers:
@@ -67,7 +99,7 @@ class raise_on_stop_signals(_Handlers):
     """Within it, every stop signal raises KeyboardInterrupt(signal) in the main thread."""
 
     def _handle(self, signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum))
+        raise_interrupt(signal.Signals(signum), frame)
 
 
 class exit_on_stop_signals(_Handlers):
@@ -88,8 +120,9 @@ class StopRequest(_Handlers):
         stop.signal        # the signal that asked (signal.Signals), or None
 
     The first SIGINT, SIGTERM or SIGHUP only records itself (poll() is then True, so the loop
-    can finish its step and save); a second one of any of them calls at_once(signal), which by
-    default raises KeyboardInterrupt(signal) wherever the main thread is. Leaving the block
+    can finish its step and save); a second one of any of them calls at_once(signal), or by
+    default raises KeyboardInterrupt(signal) where the main thread is (raise_interrupt: once
+    outside any import). Leaving the block
     restores the previous handlers.
 
     poll() is the one place a loop asks: a data-parallel run can replace it with a collective
@@ -98,7 +131,7 @@ class StopRequest(_Handlers):
 
     def __init__(self, at_once=None):
         self.signal: signal.Signals | None = None
-        self._at_once = at_once or _raise
+        self._at_once = at_once           # None: raise_interrupt
 
     @property
     def requested(self) -> bool:
@@ -110,12 +143,11 @@ class StopRequest(_Handlers):
 
     def _handle(self, signum, frame):
         if self.signal is not None:
+            if self._at_once is None:
+                raise_interrupt(signal.Signals(signum), frame)
+                return
             self._at_once(signal.Signals(signum))
         self.signal = signal.Signals(signum)
-
-
-def _raise(sig: signal.Signals):
-    raise KeyboardInterrupt(sig)
 
 
 def exit_now(sig: signal.Signals, prefix: str = "npllama") -> None:

@@ -121,6 +121,58 @@ def test_every_command_ends_in_one_line_on_sigterm(command, tmp_path, text_file)
     assert not list(tmp_path.rglob(".*.tmp"))
 
 
+@pytest.mark.parametrize("handlers", ["raise_on_stop_signals()", "StopRequest()"])
+def test_a_signal_in_the_middle_of_an_import_is_held_until_the_import_is_done(handlers, tmp_path):
+    """A KeyboardInterrupt raised while a module runs its top-level code can be lost by the code
+    importing it (NumPy's numpy.random, imported on first use, lost one: `generate` ran to its
+    end). So a signal during an import raises only once the import is done. StopRequest: its
+    second signal (the first is sent before the import) is the one that raises."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "deadline = time.monotonic() + 0.3\n"
+        "while time.monotonic() < deadline:\n"          # bytecodes: Python calls the handler in here
+        "    pass\n"
+        "FINISHED = True\n")
+    script = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from npllama.interrupts import StopRequest, raise_on_stop_signals
+with HANDLERS as handlers:
+    if isinstance(handlers, StopRequest):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+    try:
+        import slow_module
+        sys.stdout.write(f"imported {slow_module.FINISHED}\\n")    # one write: the signal may come between two
+        sys.stdout.flush()
+        time.sleep(5)
+        print("not interrupted")
+    except KeyboardInterrupt as e:
+        print("interrupted by", e.args[0].name, "after the import" if "slow_module" in sys.modules else "inside it")
+"""
+    run = subprocess.run([sys.executable, "-c", script.replace("HANDLERS", handlers), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert (run.stdout, run.stderr) == ("imported True\ninterrupted by SIGTERM after the import\n", "")
+
+
+def test_a_line_to_stderr_is_one_write_with_its_newline(monkeypatch):
+    """print() writes a line and its newline separately: a signal handled between the two glued the
+    "interrupted by" line to the unfinished one. say() writes both at once."""
+    from npllama.cli.args import say
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    say("[npllama generate] 5000 tokens")
+    assert writes == ["[npllama generate] 5000 tokens\n"]
+
+
 # ----------------------------------------------------------------------------- training
 
 @pytest.mark.slow

@@ -15,6 +15,14 @@ EXIT_PIPE_CLOSED = 128 + 13     # stdout's reader went away: what a shell report
 # (a stop signal's code, 128 + its number, is npllama.interrupts.exit_code)
 
 
+def say(line: str) -> None:
+    """Write line and its newline to stderr in one write, flushed. (print() writes the text and the
+    newline separately, and a stop signal handled between the two glued the "interrupted by"
+    line to the unfinished one.)"""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def docs_epilog(*pages: str) -> str:
     """The last paragraph of a command's --help: the pages of docs/ (in npllama's source tree) that
     cover it, each "docs/PAGE.md" or "docs/PAGE.md (what for)". tests/test_docs_pages.py checks
@@ -50,19 +58,16 @@ def report_error(command: str, error: BaseException, where: str = "") -> int | N
         _discard_stdout()
         return EXIT_PIPE_CLOSED
     if isinstance(error, OSError):
-        print(f"npllama {command}: error: {where}{describe_os_error(error) or describe_bare(error, command)}",
-              file=sys.stderr)
+        say(f"npllama {command}: error: {where}{describe_os_error(error) or describe_bare(error, command)}")
         return 1
     if isinstance(error, (ValueError, MemoryError)):
         # Bad input is the user's to fix: one line naming it, not a traceback. (npllama's errors are
         # all ValueErrors; a MemoryError that npllama.memory did not foresee is not a bug either.)
-        print(f"npllama {command}: error: {where}{str(error).strip() or describe_bare(error, command)}",
-              file=sys.stderr)
+        say(f"npllama {command}: error: {where}{str(error).strip() or describe_bare(error, command)}")
         return 1
     if isinstance(error, KeyboardInterrupt):
         sig, detail = interrupt_signal(error), interrupt_detail(error)
-        print(f"npllama {command}: {where}interrupted by {sig.name}" + (f"; {detail}" if detail else ""),
-              file=sys.stderr)
+        say(f"npllama {command}: {where}interrupted by {sig.name}" + (f"; {detail}" if detail else ""))
         return exit_code(sig)
     return None
 

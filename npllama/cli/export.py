@@ -17,7 +17,6 @@ optimizer state or adapters the bare model would replace, unless --overwrite-che
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..io import load, save
@@ -29,7 +28,7 @@ from ..tokenizers import SentencePieceTokenizer
 from ..tokenizers.hf_export import hf_tokenizer_files
 from ..train.config import export_format
 from ..errors import NpllamaError
-from .args import docs_epilog
+from .args import docs_epilog, say
 
 
 DESCRIPTION = ("Read any checkpoint npllama reads (a training checkpoint, LoRA adapters with their base, an HF "
@@ -98,15 +97,14 @@ def run(args: argparse.Namespace) -> int:
         model.tokenizer = SentencePieceTokenizer.from_file(args.tokenizer)
     out = save(model, out, format=fmt, dtype=dtype, overwrite_checkpoint=args.overwrite_checkpoint)
     cfg = model.config
-    print(f"[npllama export] {args.model} -> {out} ({fmt}, {dtype}; {cfg.n_params():,} params, dim {cfg.dim}, "
-          f"{cfg.n_layers} layers; tokenizer: {model.tokenizer!r})", file=sys.stderr)
+    say(f"[npllama export] {args.model} -> {out} ({fmt}, {dtype}; {cfg.n_params():,} params, dim {cfg.dim}, "
+        f"{cfg.n_layers} layers; tokenizer: {model.tokenizer!r})")
     if fmt == "hf":
         if model.tokenizer is None:
-            print(f"note: {hf_tokenizer_files(None).note}", file=sys.stderr)
-        print(f"load it with: transformers.LlamaForCausalLM.from_pretrained({str(out)!r})", file=sys.stderr)
+            say(f"note: {hf_tokenizer_files(None).note}")
+        say(f"load it with: transformers.LlamaForCausalLM.from_pretrained({str(out)!r})")
     if fmt == "gguf":
         if model.tokenizer is None:
-            print("note: the model has no tokenizer, so llama.cpp can only take token ids; pass --tokenizer",
-                  file=sys.stderr)
-        print(f"run it with: llama-cli -m {out}   (or npllama generate -m {out})", file=sys.stderr)
+            say("note: the model has no tokenizer, so llama.cpp can only take token ids; pass --tokenizer")
+        say(f"run it with: llama-cli -m {out}   (or npllama generate -m {out})")
     return 0

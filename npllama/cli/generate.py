@@ -22,7 +22,7 @@ from pathlib import Path
 from ..generate import generate_stream
 from ..io import load
 from ..tokenizers import tokenizer_from_file
-from .args import docs_epilog, number
+from .args import docs_epilog, number, say
 from ..errors import MissingFileError, NpllamaError
 
 # Package data, so a wheel generates offline from any folder. In the repository this is a link to
@@ -211,9 +211,9 @@ def run(args: argparse.Namespace) -> int:
     shown = ", ".join(f"{k}={v}" for k, v in sampling.items() if v is not None and
                       (args.temperature > 0 or k == "repetition_penalty"))
     shown = shown if args.temperature > 0 else ", ".join(["greedy", shown]).rstrip(", ")
-    print(f"[npllama generate] {path} ({cfg.n_params():,} params, dim={cfg.dim}, layers={cfg.n_layers}, "
-          f"max_seq_len={cfg.max_seq_len}, {args.dtype}); tokenizer: {tokenizer!r}; prompt: {len(prompt)} tokens; "
-          f"{shown}; seed={seed}; max_new_tokens={n}", file=sys.stderr, flush=True)
+    say(f"[npllama generate] {path} ({cfg.n_params():,} params, dim={cfg.dim}, layers={cfg.n_layers}, "
+        f"max_seq_len={cfg.max_seq_len}, {args.dtype}); tokenizer: {tokenizer!r}; prompt: {len(prompt)} tokens; "
+        f"{shown}; seed={seed}; max_new_tokens={n}")
 
     out = sys.stdout
     start = time.perf_counter()
@@ -253,8 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if count:
         decode = elapsed - (first_token_at - start)
         per_s = (count - 1) / decode if count > 1 and decode > 0 else float("nan")
-        print(f"[npllama generate] {count} tokens in {elapsed:.2f} s; prompt + first token "
-              f"{1000 * (first_token_at - start):.0f} ms, then {per_s:,.1f} tokens/s", file=sys.stderr)
+        say(f"[npllama generate] {count} tokens in {elapsed:.2f} s; prompt + first token "
+            f"{1000 * (first_token_at - start):.0f} ms, then {per_s:,.1f} tokens/s")
     else:
-        print(f"[npllama generate] no tokens generated ({elapsed:.2f} s)", file=sys.stderr)
+        say(f"[npllama generate] no tokens generated ({elapsed:.2f} s)")
     return 0

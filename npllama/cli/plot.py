@@ -7,12 +7,11 @@ installed, and otherwise a note on stderr says how to get it.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from ..train.chart import loss_chart
 from ..train.metrics import METRICS_NAME, PLOT_NAME, plot_metrics, read_metrics
-from .args import docs_epilog, number
+from .args import docs_epilog, number, say
 from ..errors import MissingFileError
 
 
@@ -40,12 +39,12 @@ def run(args: argparse.Namespace) -> int:
     print(loss_chart(*read_metrics(metrics, skipped), width=getattr(args, "width", None), height=args.height))
     if skipped:
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
-        print(f"note: left out {len(skipped)} damaged line(s) of {metrics} (line {shown}): not a JSON "
-              "object with a numeric step and loss", file=sys.stderr)
+        say(f"note: left out {len(skipped)} damaged line(s) of {metrics} (line {shown}): not a JSON "
+            "object with a numeric step and loss")
     png = plot_metrics(metrics, run_dir / PLOT_NAME)
     if png is None:
-        print(f"{PLOT_NAME} not drawn: matplotlib is not installed (pip install matplotlib, or "
-              "pip install 'npllama[plot]')", file=sys.stderr)
+        say(f"{PLOT_NAME} not drawn: matplotlib is not installed (pip install matplotlib, or "
+            "pip install 'npllama[plot]')")
     else:
         print(f"loss curve  {png}")
     return 0

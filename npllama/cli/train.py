@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import signal
-import sys
 from pathlib import Path
 
 from ..train import distributed
@@ -26,7 +25,7 @@ from ..train.config import (NON_NEGATIVE_FLOATS, NON_NEGATIVE_INTS, POSITIVE_INT
                             preset)
 from ..train.loop import train
 from ..interrupts import exit_code
-from .args import EXIT_PIPE_CLOSED, docs_epilog, number, report_error
+from .args import EXIT_PIPE_CLOSED, docs_epilog, number, report_error, say
 
 
 def _duration(text: str) -> float:
@@ -139,13 +138,13 @@ def run(args: argparse.Namespace) -> int:
         world.stop_all(lambda where, e=error: report_error("train", e, where), error)   # one line, then every rank ends
     if result.stopped == "output_closed":
         if world.rank == 0:
-            print(f"npllama train: output closed; stopped at step {result.steps}, saved {result.checkpoint} "
-                  "(continue with --resume)", file=sys.stderr)
+            say(f"npllama train: output closed; stopped at step {result.steps}, saved {result.checkpoint} "
+                "(continue with --resume)")
         return EXIT_PIPE_CLOSED
     if result.stopped == "interrupted":
         sig = signal.Signals(result.signal or signal.SIGINT)
         if world.rank == 0:
-            print(f"npllama train: {sig.name}: stopped at step {result.steps}, saved {result.checkpoint} "
-                  "(continue with --resume)", file=sys.stderr)
+            say(f"npllama train: {sig.name}: stopped at step {result.steps}, saved {result.checkpoint} "
+                "(continue with --resume)")
         return exit_code(sig)
     return 0
