@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -337,12 +338,30 @@ def start(argv, flags=()):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
 
 
-def rank_pid(proc, rank: int) -> int:
-    """The pid of a rank, from the header's ranks line (read from proc's stdout)."""
+def rank_pids(proc) -> dict[int, int]:
+    """{rank: pid}, from the header's ranks line (read from proc's stdout)."""
     for line in proc.stdout:
         if line.startswith("  ranks "):
-            return int(line.split(f"rank {rank} pid ")[1].split()[0])
+            return {int(rank): int(pid) for rank, pid in re.findall(r"rank (\d+) pid (\d+)", line)}
     pytest.fail("no ranks line in the header")
+
+
+def rank_pid(proc, rank: int) -> int:
+    """The pid of a rank, from the header's ranks line (read from proc's stdout)."""
+    return rank_pids(proc)[rank]
+
+
+def watcher_pid(parent: int) -> int:
+    """The pid of the lost-rank watcher that the rank `parent` started (train/watcher.py)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == parent \
+                    and b"watcher.py" in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    pytest.fail(f"rank pid {parent} has no watcher process")
 
 
 def steps_logged(out: Path) -> int:
@@ -360,15 +379,26 @@ def wait_for_step(out: Path, step: int, timeout=60.0) -> None:
         time.sleep(0.05)
 
 
-def kill_rank_1(out: Path, at_step: int, flags=()) -> tuple[subprocess.Popen, str, str, float, int]:
+def kill_rank_1(out: Path, at_step: int, flags=(), watcher_late=False) -> tuple[subprocess.Popen, str, str, float, int]:
     """Start a long 2-rank run, kill -9 its rank 1 once at_step steps are logged: (proc, stdout, stderr,
-    seconds from the kill to mpiexec's end, the victim's pid)."""
+    seconds from the kill to mpiexec's end, the victim's pid). watcher_late: the lost-rank watcher is
+    stopped (SIGSTOP) from before the kill until hydra has ended rank 0 too, as a loaded machine
+    may leave it without a core: it then finds both ranks ended at once."""
     proc = start(small(out.parent / "verse.txt", out, "--max-steps", 100000, "--eval-interval", 5), flags)
     try:
-        victim = rank_pid(proc, 1)
+        pids = rank_pids(proc)
+        victim = pids[1]
+        watcher = watcher_pid(pids[0]) if watcher_late else None
+        rank_0 = os.pidfd_open(pids[0]) if watcher_late else None       # readable once every thread ended
         wait_for_step(out, at_step)
         t0 = time.monotonic()
+        if watcher:
+            os.kill(watcher, signal.SIGSTOP)
         os.kill(victim, signal.SIGKILL)
+        if watcher:
+            assert select.select([rank_0], [], [], 30)[0], "hydra never ended rank 0 after rank 1 was lost"
+            os.close(rank_0)
+            os.kill(watcher, signal.SIGCONT)
         stdout, stderr = proc.communicate(timeout=30)
         return proc, stdout, stderr, time.monotonic() - t0, victim
     finally:
@@ -382,12 +412,26 @@ def kill_rank_1(out: Path, at_step: int, flags=()) -> tuple[subprocess.Popen, st
 def test_kill_9_of_a_rank_stops_every_rank_with_one_line_naming_it(flags, text, tmp_path):
     shutil.copy(text, tmp_path / "verse.txt")
     proc, stdout, stderr, seconds, victim = kill_rank_1(tmp_path / "run", 7, flags)
+    assert_lost_rank_reported(proc, stderr, seconds, victim, tmp_path / "run")
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_a_watcher_that_wakes_after_hydra_ended_every_rank_still_names_the_one_lost_first(text, tmp_path):
+    """On a loaded machine hydra may kill rank 0 before the watcher runs: both ranks have ended when
+    it looks, and the order they ended in (epoll's) is what tells the lost one."""
+    shutil.copy(text, tmp_path / "verse.txt")
+    proc, stdout, stderr, seconds, victim = kill_rank_1(tmp_path / "run", 7, watcher_late=True)
+    assert_lost_rank_reported(proc, stderr, seconds, victim, tmp_path / "run")
+
+
+def assert_lost_rank_reported(proc, stderr, seconds, victim, out):
     assert proc.returncode != 0 and seconds < 30
     assert re.fullmatch(rf"npllama train: error: rank 1 \(pid {victim} on \S+\) was lost; every rank stopped, the "
                         r"last checkpoint written is kept\n", stderr), stderr
     # the last checkpoint written (every 5 steps; how many passed before the kill landed depends on
     # the machine's load) is whole: it loads, at a step the run saved
-    step = load_train_state(tmp_path / "run" / "ckpt.safetensors")["step"]
+    step = load_train_state(out / "ckpt.safetensors")["step"]
     assert step >= 5 and step % 5 == 0, step
 
 

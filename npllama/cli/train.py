@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     except BaseException as error:
         if world.size == 1:
             raise
+        if getattr(error, "on_every_rank", False):                  # World.raise_together
+            world.close()
+            return report_error("train", error) if world.rank == 0 else 1
         world.stop_all(lambda where, e=error: report_error("train", e, where), error)   # one line, then every rank ends
     if result.stopped == "output_closed":
         if world.rank == 0:

@@ -30,7 +30,9 @@ Failures (docs/distributed.md has the whole story, and what mpiexec itself does)
     ends every rank. MPICH's own abort message goes to /dev/null: one line.
   - a rank killed (kill -9, the OOM killer): mpiexec kills the others at once (SIGKILL: they
     cannot say a word) and prints the dead process's pid; the lost-rank watcher of that host
-    (train/watcher.py, a process beside the ranks) prints one line naming the rank.
+    (train/watcher.py, a process beside the ranks) prints one line naming the rank. (A rank that
+    was in a collective with it may meet a fatal MPI error and end first: MPICH's messages during
+    a collective go to the watcher, which learns from them that this rank's end is no loss.)
   - a rank that stops answering (another host cut off, a stopped process): the watchdog thread
     ends the run when a collective has waited longer than $NPLLAMA_RANK_TIMEOUT seconds.
   - SIGTERM to mpiexec, which passes it on to every rank: each ends as one process does (where
@@ -43,7 +45,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -74,6 +78,10 @@ POLL = 1e-3
 
 class RanksDisagree(NpllamaError):
     """The ranks of one run were started with different settings, or their parameters drifted apart."""
+
+
+class CollectiveFailed(NpllamaError):
+    """An MPI collective failed: another rank ended in the middle of it (or MPI itself failed)."""
 
 
 class MpiUnavailable(NpllamaError):
@@ -192,6 +200,16 @@ class World:
         """Rank 0's value, on every rank."""
         return int(value)
 
+    def raise_together(self, error: BaseException | None) -> None:
+        """Raise error (this rank's outcome of a check every rank makes at the same point, or None).
+
+        With several ranks: when every rank raises, the error is marked on_every_rank, so that the
+        command line reports it once (rank 0) and every rank ends normally, with no MPI_Abort (which
+        mpiexec may follow with its "BAD TERMINATION" banner). When only some do, they raise as
+        usual (stop_all) and the others wait here for the MPI_Abort that ends them."""
+        if error is not None:
+            raise error
+
     def check_same_config(self, settings: dict) -> None:
         """RanksDisagree on every rank when some rank's settings (JSON-ready) differ from rank 0's."""
 
@@ -222,12 +240,18 @@ class MpiWorld(World):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.timeout = float(os.environ.get(TIMEOUT_VAR) or DEFAULT_TIMEOUT)
         self._busy = None                     # (what, since) while this rank waits in a collective
+        self._channel, self.local = None, []  # a datagram socket to the watcher (watcher.py); this host's ranks
+        try:                                  # stderr, and what holds fd 2 during collectives (/dev/null at first)
+            self._stderr, self._quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        except OSError:                       # no stderr to keep clean
+            self._stderr = self._quiet = None
         self.hosts = self._allgather_text(mpi.Get_processor_name())
         self.pids = [int(p) for p in self._allgather_ints([os.getpid()])[:, 0]]
         self.local = [r for r in range(self.size) if self.hosts[r] == self.hosts[self.rank]]   # ranks on this host
         self.ranks_here = len(self.local)
-        self._watcher = self._start_watcher() if self.rank == self.local[0] else None
+        self._watcher, address = self._start_watcher() if self.rank == self.local[0] else (None, "")
         self._watcher_pid = int(self._allgather_ints([self._watcher.pid if self._watcher else 0])[self.local[0], 0])
+        self._tell_watcher_of_failures(self._allgather_text(address)[self.local[0]])
         self._armed = True
         threading.Thread(target=self._watch, name="npllama-rank-watchdog", daemon=True).start()
         self._signals = {}                    # signal -> the handler it had (restored by close)
@@ -241,66 +265,142 @@ class MpiWorld(World):
 
     def _end_as_signalled(self, signum, frame) -> None:
         """A signal that ends this rank anyway (mpiexec passes SIGTERM on to every rank): tell the watcher
-        first, so that the ranks ending together are not reported as lost; then end by it."""
-        self._stand_down_watcher()
+        first, so that the ranks ending together are not reported as lost; then end by it. Unless a
+        rank of this host has ended already: then this is hydra ending the others after that loss,
+        which the watcher reports (told that this rank's end is not one)."""
+        if self._others_ending():
+            if self._channel is not None:
+                self._failed_after_a_loss()
+        else:
+            self._stand_down_watcher()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
-    def _start_watcher(self) -> subprocess.Popen | None:
-        """The lost-rank watcher of this host, told its ranks (this one first); None where it cannot run."""
+    def _start_watcher(self) -> tuple[subprocess.Popen | None, str]:
+        """The lost-rank watcher of this host, told its ranks (this one first), and the address of its
+        datagram socket (abstract namespace; "" where there is none); None where it cannot run."""
+        errors, address = None, ""
+        if sys.platform.startswith("linux"):
+            try:
+                errors = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                errors.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+                address = f"\0npllama-watcher-{os.getpid()}-{secrets.token_hex(8)}"
+                errors.bind(address)
+            except OSError:
+                errors, address = None, ""
         try:
-            watcher = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("watcher.py")),
-                                        self.command], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            watcher = subprocess.Popen([sys.executable, "-I", str(Path(__file__).with_name("watcher.py")), self.command,
+                                        *([str(errors.fileno())] if errors else [])],
+                                       pass_fds=[errors.fileno()] if errors else [], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, text=True,
                                        start_new_session=True)     # out of the group mpiexec kills
             watcher.stdin.write("".join(f"rank {r} {self.pids[r]} {self.hosts[r]}\n" for r in self.local) + "go\n")
             watcher.stdin.flush()
         except OSError:
-            return None
-        return watcher
+            return None, ""
+        finally:
+            if errors is not None:
+                errors.close()                # the watcher holds it
+        return watcher, address
+
+    def _tell_watcher_of_failures(self, address: str) -> None:
+        """Point fd 2 during collectives at the watcher's socket (watcher.py): a fatal MPI error that a
+        lost rank causes in this one then tells the watcher that this rank's end is no loss."""
+        if not address or self._quiet is None:
+            return
+        try:
+            channel = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            channel.connect(address)
+        except OSError:
+            return
+        os.close(self._quiet)
+        self._quiet, self._channel = channel.fileno(), channel
 
     # ---- the collectives -------------------------------------------------------------------
 
-    def _wait(self, what: str, request) -> None:
-        """Wait for a non-blocking collective: spin briefly (ranks in step meet within microseconds),
-        then sleep between tests, so that a rank waiting for rank 0's checkpoint takes no core."""
+    @contextmanager
+    def _collective(self, what: str):
+        """A collective in progress: `what` is what the watchdog names if it waits too long. Meanwhile
+        MPICH's own messages (fd 2) go to the watcher's socket, or to /dev/null: when a rank dies in
+        the middle of a transfer, the one waiting for it meets a fatal error (e.g. "process_vm_readv
+        failed") and prints its stack a moment before it ends, and the watcher or the watchdog has
+        the one line that says what happened. npllama's own lines are written outside collectives,
+        or to self._stderr."""
         self._busy = (what, time.monotonic())
+        if self._stderr is not None:
+            os.dup2(self._quiet, 2)
         try:
+            yield
+        except self.MPI.Exception as e:
+            if self._others_ending() and self._channel is not None:
+                self._failed_after_a_loss()          # the watcher names the lost rank
+                os._exit(1)
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CollectiveFailed(f"MPI failed in {what} ({detail}): another rank ended or was lost in the middle "
+                                   "of it; every rank stops, the last checkpoint written is kept") from None
+        finally:
+            if self._stderr is not None:
+                os.dup2(self._stderr, 2)
+            self._busy = None
+
+    def _others_ending(self) -> bool:
+        """Whether another rank of this host has ended or is ending."""
+        return any(_ending(self.pids[r]) for r in self.local if r != self.rank)
+
+    def _failed_after_a_loss(self) -> None:
+        """Tell the watcher that this rank ends because another rank of the host was lost (watcher.py)."""
+        try:
+            self._channel.send(b"npllama: this rank ends after the loss of another\n")
+        except OSError:
+            pass
+
+    def _wait(self, what: str, post) -> None:
+        """Post a non-blocking collective (post() returns its request) and wait for it: spin briefly
+        (ranks in step meet within microseconds), then sleep between tests, so that a rank waiting
+        for rank 0's checkpoint takes no core."""
+        with self._collective(what):
+            request = post()
             spin_until = time.perf_counter() + SPIN
             while not request.Test():
                 if time.perf_counter() > spin_until:
                     time.sleep(POLL)
-        finally:
-            self._busy = None
 
     def allreduce_sum_(self, flat):
         # blocking: the hot path, where the ranks arrive together (MPICH spins for it anyway)
-        self._busy = ("the gradient Allreduce", time.monotonic())
-        try:
+        with self._collective("the gradient Allreduce"):
             self.comm.Allreduce(self.MPI.IN_PLACE, flat, op=self.MPI.SUM)
-        finally:
-            self._busy = None
         return flat
 
     def sums(self, *values):
         buf = np.array(values, dtype=np.float64)
-        self._wait("a sum of losses", self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
+        self._wait("a sum of losses", lambda: self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM))
         return tuple(float(v) for v in buf)
+
+    def raise_together(self, error):
+        failed = int(self.sums(1.0 if error is not None else 0.0)[0])
+        if failed == self.size:
+            error.on_every_rank = True
+        if error is not None:
+            raise error
+        if failed:
+            time.sleep(GRACE + 0.1 * min(self.size, 40) + 30)    # a failing rank reports, then aborts every rank
+            os._exit(1)
 
     def any_of(self, *flags):
         buf = np.array(flags, dtype=np.int32)
-        self._wait("the stop decision", self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.MAX))
+        self._wait("the stop decision", lambda: self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.MAX))
         return tuple(bool(v) for v in buf)
 
     def broadcast_int(self, value):
         buf = np.array([value], dtype=np.int64)
-        self._wait("a broadcast", self.comm.Ibcast(buf, root=0))
+        self._wait("a broadcast", lambda: self.comm.Ibcast(buf, root=0))
         return int(buf[0])
 
     def _allgather_ints(self, values) -> np.ndarray:
         """(size, k) int64: every rank's k values."""
         mine = np.array(values, dtype=np.int64)
         out = np.empty((self.size, mine.size), dtype=np.int64)
-        self._wait("an allgather", self.comm.Iallgather(mine, out))
+        self._wait("an allgather", lambda: self.comm.Iallgather(mine, out))
         return out
 
     def _allgather_text(self, text: str) -> list[str]:
@@ -309,15 +409,15 @@ class MpiWorld(World):
         mine = np.zeros(longest, dtype=np.uint8)
         mine[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         out = np.empty((self.size, longest), dtype=np.uint8)
-        self._wait("an allgather", self.comm.Iallgather(mine, out))
+        self._wait("an allgather", lambda: self.comm.Iallgather(mine, out))
         return [bytes(row).rstrip(b"\0").decode("utf-8") for row in out]
 
     def _broadcast_text(self, text: str, root: int) -> str:
         data = text.encode("utf-8")
         n = np.array([len(data)], dtype=np.int64)
-        self._wait("a broadcast", self.comm.Ibcast(n, root=root))
+        self._wait("a broadcast", lambda: self.comm.Ibcast(n, root=root))
         buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), np.uint8)
-        self._wait("a broadcast", self.comm.Ibcast(buf, root=root))
+        self._wait("a broadcast", lambda: self.comm.Ibcast(buf, root=root))
         return bytes(buf).decode("utf-8")
 
     # ---- agreement --------------------------------------------------------------------------
@@ -377,7 +477,7 @@ class MpiWorld(World):
         if self._armed:
             self._armed = False
             self._stand_down_watcher(done=True)
-            self._wait("the final barrier", self.comm.Ibarrier())
+            self._wait("the final barrier", lambda: self.comm.Ibarrier())
             for signum, handler in self._signals.items():
                 signal.signal(signum, handler)
 
@@ -444,10 +544,26 @@ class MpiWorld(World):
             if not (busy and self.timeout and time.monotonic() - busy[1] > self.timeout and self._armed):
                 continue
             self._before_stopping_all()
-            print(f"{self.command}: error: no answer from the other ranks for {self.timeout:g} s in {busy[0]}: one "
-                  f"was lost or is stuck (${TIMEOUT_VAR} sets the limit); every rank stopped, the last checkpoint "
-                  "written is kept", file=sys.stderr, flush=True)
+            line = (f"{self.command}: error: no answer from the other ranks for {self.timeout:g} s in {busy[0]}: one "
+                    f"was lost or is stuck (${TIMEOUT_VAR} sets the limit); every rank stopped, the last checkpoint "
+                    "written is kept\n")
+            try:                          # to stderr itself: fd 2 is /dev/null while the main thread waits
+                os.write(2 if self._stderr is None else self._stderr, line.encode())
+            except OSError:
+                pass
             self._abort(1)
+
+
+def _ending(pid: int) -> bool:
+    """True when the process pid has ended or is ending: gone, a zombie, or without its memory (a
+    process killed in the middle of its exit); False where /proc cannot say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+    return fields[0] in "ZXx" or fields[20] == "0"          # state; vsize (field 23 of stat)
 
 
 ALONE = World()      # the one process of a run without mpiexec

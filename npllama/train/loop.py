@@ -640,11 +640,16 @@ def train(cfg: TrainConfig, out: TextIO | None = None, preset_name: str | None =
     """
     console = Console((out or sys.stdout) if world.rank == 0 else None)
     world.check_same_config({"config": cfg.to_dict(), "explicit": sorted(explicit), "preset": preset_name})
-    cfg.validate()
-    check_run_files(cfg)            # before anything is made or read: no output over an input (run_files.py)
-    if cfg.batch_size < world.size:
-        raise NpllamaError(f"--batch-size {cfg.batch_size} cannot be shared by {world.size} ranks, which need a "
-                           f"window of every batch each; use --batch-size {world.size} or more, or fewer ranks")
+    try:
+        cfg.validate()
+        check_run_files(cfg)        # before anything is made or read: no output over an input (run_files.py)
+        if cfg.batch_size < world.size:
+            raise NpllamaError(f"--batch-size {cfg.batch_size} cannot be shared by {world.size} ranks, which need "
+                               f"a window of every batch each; use --batch-size {world.size} or more, or fewer ranks")
+    except NpllamaError as error:
+        world.raise_together(error)
+    else:
+        world.raise_together(None)
     run_start = time.perf_counter()
     with world.share_cores(), RunLock(cfg.out_dir) if world.rank == 0 else nullcontext() as lock:
         if lock is not None:
