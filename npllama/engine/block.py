@@ -92,8 +92,8 @@ class BlockCache(NamedTuple):
     att: np.ndarray          # (N, H*Dh) attention output, wo's input
     h: np.ndarray            # (N, D) after the attention residual
     rstd2: np.ndarray        # (N, 1) ffn_norm's r
-    silu_up: np.ndarray      # (N, 2F) [silu(gate) | up]
-    sig: np.ndarray          # (N, F) sigmoid(gate)
+    gate_up: np.ndarray      # (N, 2F) [silu(gate) | up] when sig is kept; [gate | up] when not
+    sig: np.ndarray | None   # (N, F) sigmoid(gate), or None: backward recomputes it (less memory)
     lora: tuple              # per stacked projection (wqkv, wo, w13, w2): LoRA's x A^T, or None
 
 
@@ -151,11 +151,13 @@ def kv_append(kv: KV, k_new, v_new):
 
 
 def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, *, block: int, keep_probs: bool = True,
-                  keep: bool = True, kv: KV | None = None, bias=None):
+                  keep_sigmoid: bool = True, keep: bool = True, kv: KV | None = None, bias=None):
     """model.block_forward on 2-D activations x (N, D), N = b*T.
 
     w: the block's weights (projections plain or AdaptedStack); rot: the T positions' Rotations;
-    keep: False for a pass with no backward (returns out alone, keeping nothing);
+    keep: False for a pass with no backward (returns out alone, keeping nothing); keep_probs,
+    keep_sigmoid: False keeps less for backward, which recomputes the attention probabilities,
+    the SwiGLU's sigmoid;
     kv: write keys and values into a KV cache and attend to every cached position (a prefill);
     bias: None or (b, 1, T, S) additive, 0 or -inf (a padded batch's mask).
     Returns: out (N, D), and the BlockCache when keep.
@@ -180,16 +182,23 @@ def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, *, block: i
     rstd2 = rms_rstd(h, eps)
     hn = h * rstd2
     hn *= w.ffn_norm
-    silu_up, xa_13 = project(hn, w.w13)                                  # (N, D) -> (N, 2F): [gate | up]
+    gate_up, xa_13 = project(hn, w.w13)                                  # (N, D) -> (N, 2F): [gate | up]
     del hn
-    gate, up = silu_up[:, :F], silu_up[:, F:]
+    gate, up = gate_up[:, :F], gate_up[:, F:]
     sig = sigmoid(gate)
-    gate *= sig                                                          # gate -> silu(gate), in place
-    out, xa_2 = project(gate * up, w.w2)                                 # (N, F) -> (N, D)
+    if keep_sigmoid or not keep:
+        gate *= sig                                                      # gate -> silu(gate), in place
+        g = gate * up
+    else:                                                                # gate kept for backward
+        g = gate * sig
+        g *= up
+    out, xa_2 = project(g, w.w2)                                         # (N, F) -> (N, D)
+    del g
     out += h                                                             # residual
     if not keep:
         return out
-    return out, BlockCache(x, rstd1, c_att, att, h, rstd2, silu_up, sig, (xa_qkv, xa_o, xa_13, xa_2))
+    return out, BlockCache(x, rstd1, c_att, att, h, rstd2, gate_up, sig if keep_sigmoid else None,
+                           (xa_qkv, xa_o, xa_13, xa_2))
 
 
 def block_backward(dout, c: BlockCache, w: StackedLayer, s: Shape, rot: Rotations, sink: GradSink):
@@ -199,18 +208,23 @@ def block_backward(dout, c: BlockCache, w: StackedLayer, s: Shape, rot: Rotation
     xa_qkv, xa_o, xa_13, xa_2 = c.lora
     frozen = sink.dw is None
     # undo out = h + w2(silu(gate) * up)
-    silu, up = c.silu_up[:, :F], c.silu_up[:, F:]
+    up, sig = c.gate_up[:, F:], c.sig
+    if sig is None:                                                      # recomputed from the gate
+        sig = sigmoid(c.gate_up[:, :F])
+        silu = c.gate_up[:, :F] * sig
+    else:
+        silu = c.gate_up[:, :F]
     g = silu * up
     dg = project_backward(dout, g, w.w2, xa_2, sink, "w2")              # (N, D) -> (N, F)
-    dgu = np.empty_like(c.silu_up)                                       # [dgate | dup], the w13 layout
+    dgu = np.empty_like(c.gate_up)                                       # [dgate | dup], the w13 layout
     np.multiply(dg, silu, out=dgu[:, F:])                                # dup = dg silu(gate)
     dgate = dgu[:, :F]
     # ops.swiglu_backward: dgate = dg up s (1 + gate (1 - s)) = dg (g + s (up - g))
     np.subtract(up, g, out=dgate)
-    dgate *= c.sig
+    dgate *= sig
     dgate += g
     dgate *= dg
-    del g, dg
+    del g, dg, silu, sig
     hn = c.h * c.rstd2
     hn *= w.ffn_norm
     dhn = project_backward(dgu, hn, w.w13, xa_13, sink, "w13")           # sums the gate and up branches

@@ -77,6 +77,11 @@ def block_layers(params: dict, config: LlamaConfig, dtype, lazy: bool = False):
 
 # ----------------------------------------------------------------------------- training
 
+# Rows of the classifier's logits formed at a time when its weight is frozen (LoRA): 64 x 32000
+# logits are 8 MB, against 33 MB for a whole shard of 256 rows of the 110M shape's batch 4 x 128.
+CLASSIFIER_ROWS = 64
+
+
 class TrainPass(NamedTuple):
     """What every shard of one loss_and_grads call shares."""
     config: LlamaConfig
@@ -89,6 +94,7 @@ class TrainPass(NamedTuple):
     sums: ShardSums
     block: int
     keep_probs: bool
+    keep_sigmoid: bool
     checkpointing: bool
 
 
@@ -101,7 +107,8 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     adapters are what trains (params frozen). workers: threads (engine.shards.resolve_workers).
     block: query positions per attention block (attention.BLOCK). keep_probs: False recomputes
     the attention probabilities in backward instead of keeping them; None keeps them up to
-    KEEP_PROBS_MAX_T positions. checkpointing: gradient checkpointing (module docstring).
+    KEEP_PROBS_MAX_T positions, and never with LoRA, which also recomputes the SwiGLU's sigmoid:
+    its goal is memory (the base's weights, frozen, are its only other large arrays). checkpointing: gradient checkpointing (module docstring).
     Returns: loss (python float), grads keyed like params (views of one new flat array), or
     like lora's adapters.
     """
@@ -121,7 +128,8 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     step = TrainPass(config, params, layers, dlayers, None if lora else grads,
                      rotations(rope[0][:T], rope[1][:T], config.head_dim), n_valid,
                      ShardSums(n_shards(workers, B, T, config.dim)), BLOCK if block is None else block,
-                     T <= KEEP_PROBS_MAX_T if keep_probs is None else keep_probs, checkpointing)
+                     (T <= KEEP_PROBS_MAX_T and lora is None) if keep_probs is None else keep_probs,
+                     lora is None, checkpointing)
     # One BLAS thread throughout, also with one worker: at these sizes OpenBLAS's second thread
     # costs more in hand-offs than it adds (a 1024 x 128 x 704 GEMM: 94 GF/s alone, 23 on two).
     with blas_threads(1):
@@ -142,7 +150,8 @@ def _shard_loss_and_grads(p: TrainPass, shard: int, tokens, targets) -> float:
     caches = []                             # per block: its BlockCache, or its input when recomputing
     for i, w in enumerate(p.layers):
         x_in = x
-        x, c = block_forward(x, w, rot, s, eps, block=p.block, keep_probs=p.keep_probs)
+        x, c = block_forward(x, w, rot, s, eps, block=p.block, keep_probs=p.keep_probs,
+                             keep_sigmoid=p.keep_sigmoid)
         # the last block's backward comes next: its cache is kept, not recomputed at once
         caches.append(x_in if p.checkpointing and i < L - 1 else c)
     rstd = rms_rstd(x, eps)
@@ -151,10 +160,17 @@ def _shard_loss_and_grads(p: TrainPass, shard: int, tokens, targets) -> float:
     xn *= norm_w
     out_name = output_weight_name(cfg)
     w_out = p.params[out_name]
-    logits = xn @ w_out.T                                                # (N, D) -> (N, V)
+    y = targets.reshape(-1)
     # The chain rule starts here: dloss = 1.0, and the loss divides by the batch's valid targets.
-    loss, dlogits = cross_entropy_in_place(logits, targets.reshape(-1), p.n_valid)
-    dxn = dlogits @ w_out
+    # Frozen (LoRA), the output weight needs no gradient, so the logits, the step's largest array
+    # (N, V), are made CLASSIFIER_ROWS rows at a time; otherwise whole, for dW_out = dlogits^T xn.
+    rows = CLASSIFIER_ROWS if frozen else len(ids)
+    loss, dxn = 0.0, np.empty_like(xn)
+    for r in range(0, len(ids), rows):
+        logits = xn[r:r + rows] @ w_out.T                                # (n, D) -> (n, V)
+        chunk_loss, dlogits = cross_entropy_in_place(logits, y[r:r + rows], p.n_valid)
+        loss += chunk_loss
+        np.matmul(dlogits, w_out, out=dxn[r:r + rows])
     if not frozen:
         if cfg.tie_embeddings:
             dw_out = dlogits.T @ xn                                      # kept: the embedding adds into it
@@ -167,7 +183,8 @@ def _shard_loss_and_grads(p: TrainPass, shard: int, tokens, targets) -> float:
     for i in reversed(range(L)):
         c = caches.pop()
         if p.checkpointing and i < L - 1:   # the same forward on the same input: the same cache, bit for bit
-            _, c = block_forward(c, p.layers[i], rot, s, eps, block=p.block, keep_probs=p.keep_probs)
+            _, c = block_forward(c, p.layers[i], rot, s, eps, block=p.block, keep_probs=p.keep_probs,
+                                 keep_sigmoid=p.keep_sigmoid)
         dx = block_backward(dx, c, p.layers[i], s, rot, GradSink(p.sums, shard, i, None if frozen else p.dlayers[i]))
         del c
     if frozen:                              # the embedding is frozen too: nothing more to form

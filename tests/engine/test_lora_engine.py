@@ -5,10 +5,13 @@ adapter's gradient within 1e-10 relative; no gradient for the frozen base; the b
 parameters keep their values.
 """
 
+from unittest.mock import patch
+
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from npllama import Llama, LlamaConfig, lora, model as reference
+from npllama.engine import passes
 from npllama.gradcheck import rel_error
 from npllama.llama import LoraLlama
 
@@ -25,8 +28,14 @@ def random_adapters(cfg, spec, seed):
 
 @settings(max_examples=30)
 @given(configs(), st.integers(1, 4), targets, st.integers(1, 4), st.integers(1, 12), st.sampled_from([1, 2]),
-       st.integers(0, 10_000))
-def test_lora_engine_equals_the_reference(cfg, rank, target_list, B, T, workers, seed):
+       st.integers(0, 10_000), st.sampled_from([1, 5, passes.CLASSIFIER_ROWS]))
+def test_lora_engine_equals_the_reference(cfg, rank, target_list, B, T, workers, seed, classifier_rows):
+    """classifier_rows: the frozen classifier's logits are formed that many rows at a time."""
+    with patch.object(passes, "CLASSIFIER_ROWS", classifier_rows):
+        check_lora_engine(cfg, rank, target_list, B, T, workers, seed)
+
+
+def check_lora_engine(cfg, rank, target_list, B, T, workers, seed):
     spec = lora.LoraSpec(rank=rank, alpha=float(rank + 1), targets=tuple(target_list))
     base = random_model(cfg, seed)
     params = {n: p.copy() for n, p in base.params.items()}
