@@ -9,9 +9,10 @@ starts it (train/distributed.py MpiWorld) and tells it on its stdin the ranks of
     go                          start watching
     done                        the run is over (its last collective passed): stand down
 
-It waits on the ranks' pidfds through epoll, whose ready list keeps the order in which events
-came, whenever this process gets a core to look: under load, hydra may have killed every rank
-of the host before it runs, and only that order tells the lost rank from the ones ended after it.
+It waits on the pidfds of the ranks' threads through epoll, whose ready list keeps the order in
+which events came, whenever this process gets a core to look: under load, hydra may have killed
+every rank of the host before it runs, and only that order tells the lost rank from the ones ended
+after it. (A thread's pidfd, not the process's: see _thread_pidfds.)
 
 A rank killed in the middle of a collective is noticed by the rank waiting for it before its own
 exit is complete (its memory goes first: MPICH's "process_vm_readv failed"); that rank fails with
@@ -38,6 +39,9 @@ import struct
 import sys
 import time
 
+PIDFD_THREAD = getattr(os, "PIDFD_THREAD", os.O_EXCL)     # Linux's value (O_EXCL), for Pythons without the name
+# How long a thread's end waits for its process's, to count as the process's end.
+CONFIRM_SECONDS = 5.0
 # After the starting rank failed in a collective and ended, how long to wait for the rank it lost.
 WAIT_FOR_THE_LOST_SECONDS = 10.0
 
@@ -65,13 +69,14 @@ def main() -> None:
     if errors is not None:
         errors.setblocking(False)
         poller.register(errors.fileno(), select.EPOLLIN)
-    fds = {}
+    threads, processes = {}, {}          # thread pidfd -> rank; rank -> its process's pidfd
     for rank, pid, host in ranks:
         try:
-            fds[os.pidfd_open(pid)] = (rank, pid, host)
-        except (AttributeError, OSError):                  # gone already, or no pidfd here: nothing to say
+            processes[(rank, pid, host)] = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # gone already, or no pidfd here: nothing to say
             return
-    for fd in fds:
+        threads.update(dict.fromkeys(_thread_pidfds(pid) or [processes[(rank, pid, host)]], (rank, pid, host)))
+    for fd in threads:
         poller.register(fd, select.EPOLLIN)
     by_pid = {pid: (rank, pid, host) for rank, pid, host in ranks}
     failed, lost, deadline = set(), [], None
@@ -87,12 +92,22 @@ def main() -> None:
                 poller.unregister(stdin)
                 if b"done" in _read_all(stdin) and not lost:
                     return
-            elif fd in fds:
-                poller.unregister(fd)
-                if fds[fd] != ranks[0]:
-                    if fds[fd] not in failed:
-                        lost.append(fds[fd])
+                ended = ranks[0]
+            elif fd in threads:
+                ended = threads[fd]
+                if not select.select([processes[ended]], [], [], CONFIRM_SECONDS)[0]:
+                    poller.unregister(fd)          # a thread that ended in a process that lives on
+                    del threads[fd]
                     continue
+                for other in [f for f, r in threads.items() if r == ended]:    # one event a rank is enough
+                    poller.unregister(other)
+                    del threads[other]
+            else:
+                continue
+            if ended != ranks[0]:
+                if ended not in failed and ended not in lost:
+                    lost.append(ended)
+                continue
             if lost or ranks[0] not in failed:
                 break                    # the starting rank ended: those that ended before it were lost
             if deadline is None:         # it failed in a collective: wait for the one it lost
@@ -113,6 +128,26 @@ def main() -> None:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def _thread_pidfds(pid: int) -> list:
+    """pidfds of the threads of process pid (PIDFD_THREAD, Linux 6.9+); [] where there are none.
+
+    A killed process's threads end one by one, and the last one closes its files (hydra's proxy
+    then ends the other ranks) a moment before the process's own pidfd is signalled: a moment in
+    which a loaded core may run the proxy instead. Its first thread ends well before. (A thread
+    that ends while its process lives on is no end: main() checks the process.)"""
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except (OSError, ValueError):
+        return []
+    fds = []
+    for tid in tids:
+        try:
+            fds.append(os.pidfd_open(tid, PIDFD_THREAD))
+        except (AttributeError, OSError):
+            pass
+    return fds
 
 
 def _launcher_stderr(pid: int) -> int | None:
