@@ -20,11 +20,12 @@ handed back to the OS on both sides), against the base weights' bytes.
     python tools/bench_finetune.py --batch 1 --seq 256 --modes lora
     python tools/bench_finetune.py --gradient-checkpointing    # both sides recompute blocks in backward
 
-Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU, load average 1.0-1.4; README "Fine-tuning"):
+Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU; docs/speed.md "Fine-tuning"; lora: December
+2026, load average 1.3; full: an earlier day, load average 1.0-1.4):
     shape 110m: dim 768, 12 layers, 12 heads, vocab 32000, tied (109.5M params, 418 MB float32); batch 4 x 128
     tokens; LoRA rank 8 on wq,wk,wv,wo,w1,w2,w3
-      lora | npllama 328 tok/s (2 threads), peak 1,048 MB = 2.51 x weights | torch 294 tok/s (2 threads),
-             peak 1,685 MB = 4.03 x weights | speed ratio npllama / torch 1.11
+      lora | npllama 191 tok/s (2 threads), peak 646 MB = 1.55 x weights | torch 178 tok/s (2 threads),
+             peak 1,654 MB = 3.96 x weights | speed ratio npllama / torch 1.07
       full | npllama 192 tok/s (2 threads), peak 2,459 MB = 5.89 x weights | torch 204 tok/s (2 threads),
              peak 2,522 MB = 6.04 x weights | speed ratio npllama / torch 0.95
 """
