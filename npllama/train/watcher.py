@@ -28,6 +28,10 @@ collective: hydra's own clean-up kills the ranks of a host in rank order, starti
 is what a loss on another host (or an MPI_Abort) looks like. SIGUSR1 (from a rank that is about to
 stop every rank on purpose, having said why) makes it exit quietly.
 
+What it cannot tell apart: with three or more ranks on one host, a rank that hydra kills after
+the starting rank failed in a collective is named as lost too; and a fatal MPI error on the
+starting rank alone, no rank lost, reads as the loss of the rank hydra kills next.
+
 Standard library only, run as a script: it starts in milliseconds and imports nothing of npllama.
 """
 
