@@ -108,7 +108,8 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     block: query positions per attention block (attention.BLOCK). keep_probs: False recomputes
     the attention probabilities in backward instead of keeping them; None keeps them up to
     KEEP_PROBS_MAX_T positions, and never with LoRA, which also recomputes the SwiGLU's sigmoid:
-    its goal is memory (the base's weights, frozen, are its only other large arrays). checkpointing: gradient checkpointing (module docstring).
+    its goal is memory (the base's weights, frozen, are its only other large arrays).
+    checkpointing: gradient checkpointing (module docstring).
     Returns: loss (python float), grads keyed like params (views of one new flat array), or
     like lora's adapters.
     """

@@ -269,8 +269,7 @@ class MpiWorld(World):
         rank of this host has ended already: then this is hydra ending the others after that loss,
         which the watcher reports (told that this rank's end is not one)."""
         if self._others_ending():
-            if self._channel is not None:
-                self._failed_after_a_loss()
+            self._failed_after_a_loss()
         else:
             self._stand_down_watcher()
         signal.signal(signum, signal.SIG_DFL)
@@ -348,7 +347,10 @@ class MpiWorld(World):
         return any(_ending(self.pids[r]) for r in self.local if r != self.rank)
 
     def _failed_after_a_loss(self) -> None:
-        """Tell the watcher that this rank ends because another rank of the host was lost (watcher.py)."""
+        """Tell the watcher that this rank ends because another rank of the host was lost (watcher.py),
+        where there is a channel to it."""
+        if self._channel is None:
+            return
         try:
             self._channel.send(b"npllama: this rank ends after the loss of another\n")
         except OSError:
@@ -547,7 +549,7 @@ class MpiWorld(World):
             line = (f"{self.command}: error: no answer from the other ranks for {self.timeout:g} s in {busy[0]}: one "
                     f"was lost or is stuck (${TIMEOUT_VAR} sets the limit); every rank stopped, the last checkpoint "
                     "written is kept\n")
-            try:                          # to stderr itself: fd 2 is /dev/null while the main thread waits
+            try:                          # to stderr itself: fd 2 is held by _collective while the main thread waits
                 os.write(2 if self._stderr is None else self._stderr, line.encode())
             except OSError:
                 pass
