@@ -15,7 +15,9 @@ ops in the same order as the reference block; what differs is how the work is la
   - the norms' outputs and silu * up are recomputed in backward (one multiply each) rather
     than kept: the cache holds the block's input, the two rstd columns, q, k, [v | 1], the
     attention probabilities (engine/attention.py), the attention output, h, [silu | up] and
-    sigmoid(gate);
+    sigmoid(gate); a lean cache (LoRA, whose goal is memory) holds [gate | up] and neither
+    the sigmoid nor the probabilities nor the attention output: backward remakes them from
+    the gate and from q, k, v (the attention's forward run again, the same bits);
   - a stacked weight is a plain matrix or an AdaptedStack (LoRA: engine/lora.py); the weight
     gradients go to a GradSink (fixed-order sums over shards: shards.ShardSums), or nowhere
     when the weights are frozen.
@@ -89,11 +91,11 @@ class BlockCache(NamedTuple):
     x: np.ndarray            # (N, D) the block's input
     rstd1: np.ndarray        # (N, 1) attention_norm's r
     attention: BlockAttentionCache
-    att: np.ndarray          # (N, H*Dh) attention output, wo's input
+    att: np.ndarray | None   # (N, H*Dh) attention output, wo's input; None: recomputed (lean)
     h: np.ndarray            # (N, D) after the attention residual
     rstd2: np.ndarray        # (N, 1) ffn_norm's r
-    gate_up: np.ndarray      # (N, 2F) [silu(gate) | up] when sig is kept; [gate | up] when not
-    sig: np.ndarray | None   # (N, F) sigmoid(gate), or None: backward recomputes it (less memory)
+    gate_up: np.ndarray      # (N, 2F) [silu(gate) | up]; lean: [gate | up]
+    sig: np.ndarray | None   # (N, F) sigmoid(gate); None: recomputed from the gate (lean)
     lora: tuple              # per stacked projection (wqkv, wo, w13, w2): LoRA's x A^T, or None
 
 
@@ -151,13 +153,13 @@ def kv_append(kv: KV, k_new, v_new):
 
 
 def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, *, block: int, keep_probs: bool = True,
-                  keep_sigmoid: bool = True, keep: bool = True, kv: KV | None = None, bias=None):
+                  lean: bool = False, keep: bool = True, kv: KV | None = None, bias=None):
     """model.block_forward on 2-D activations x (N, D), N = b*T.
 
     w: the block's weights (projections plain or AdaptedStack); rot: the T positions' Rotations;
-    keep: False for a pass with no backward (returns out alone, keeping nothing); keep_probs,
-    keep_sigmoid: False keeps less for backward, which recomputes the attention probabilities,
-    the SwiGLU's sigmoid;
+    keep: False for a pass with no backward (returns out alone, keeping nothing); keep_probs:
+    False keeps only the attention probabilities' row statistics (backward recomputes them);
+    lean: keep less still (module docstring): no probabilities, attention output or sigmoid;
     kv: write keys and values into a KV cache and attend to every cached position (a prefill);
     bias: None or (b, 1, T, S) additive, 0 or -inf (a padded batch's mask).
     Returns: out (N, D), and the BlockCache when keep.
@@ -175,7 +177,7 @@ def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, *, block: i
     # than two, whose hand-offs cost more than the arithmetic (a sharded pass has one already)
     with blas_threads(1):
         c_att = attention_forward(q, k, v1, att.reshape(b, T, KVH, H // KVH, Dh).transpose(0, 2, 1, 3, 4),
-                                  block=block, keep_probs=keep_probs and keep,
+                                  block=block, keep_probs=keep_probs and keep and not lean,
                                   start=0 if kv is None else kv.start, bias=bias)
     h, xa_o = project(att, w.wo)
     h += x                                                               # residual
@@ -186,7 +188,7 @@ def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, *, block: i
     del hn
     gate, up = gate_up[:, :F], gate_up[:, F:]
     sig = sigmoid(gate)
-    if keep_sigmoid or not keep:
+    if not lean or not keep:
         gate *= sig                                                      # gate -> silu(gate), in place
         g = gate * up
     else:                                                                # gate kept for backward
@@ -197,8 +199,9 @@ def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, *, block: i
     out += h                                                             # residual
     if not keep:
         return out
-    return out, BlockCache(x, rstd1, c_att, att, h, rstd2, gate_up, sig if keep_sigmoid else None,
-                           (xa_qkv, xa_o, xa_13, xa_2))
+    if lean:
+        att = sig = None
+    return out, BlockCache(x, rstd1, c_att, att, h, rstd2, gate_up, sig, (xa_qkv, xa_o, xa_13, xa_2))
 
 
 def block_backward(dout, c: BlockCache, w: StackedLayer, s: Shape, rot: Rotations, sink: GradSink):
@@ -234,10 +237,17 @@ def block_backward(dout, c: BlockCache, w: StackedLayer, s: Shape, rot: Rotation
         sink.sums.put((sink.layer, SLOTS["ffn_norm"]), sink.dw.ffn_norm, sink.shard, value(dnorm))
     dh += dout                                                           # residual: skip + branch
     # undo h = x + wo(attention(...))
-    datt = project_backward(dh, c.att, w.wo, xa_o, sink, "wo")           # (N, D) -> (N, H*Dh)
+    att, c_att = c.att, c.attention
+    if att is None:                                                      # lean: the forward again, P kept this once
+        att = np.empty((b * T, H * Dh), dtype=dout.dtype)
+        q, k, v1 = c_att.q, c_att.k, c_att.v1
+        with blas_threads(1):
+            c_att = attention_forward(q, k, v1, att.reshape(b, T, KVH, R, Dh).transpose(0, 2, 1, 3, 4),
+                                      block=c_att.block, keep_probs=True)
+    datt = project_backward(dh, att, w.wo, xa_o, sink, "wo")             # (N, D) -> (N, H*Dh)
     dqkv = np.empty((b, T, Hn, Dh), dtype=dout.dtype)
-    dq, dk = attention_backward(datt.reshape(b, T, KVH, R, Dh), c.att.reshape(b, T, KVH, R, Dh),
-                                c.attention, dqkv[:, :, H + KVH:].transpose(0, 2, 1, 3))
+    dq, dk = attention_backward(datt.reshape(b, T, KVH, R, Dh), att.reshape(b, T, KVH, R, Dh),
+                                c_att, dqkv[:, :, H + KVH:].transpose(0, 2, 1, 3))
     del datt
     # undo RoPE and the scales: the conjugate multiplies, written into the q and k slots of dqkv
     cplx = rot.k.dtype

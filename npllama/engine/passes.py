@@ -94,7 +94,7 @@ class TrainPass(NamedTuple):
     sums: ShardSums
     block: int
     keep_probs: bool
-    keep_sigmoid: bool
+    lean: bool
     checkpointing: bool
 
 
@@ -107,8 +107,9 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     adapters are what trains (params frozen). workers: threads (engine.shards.resolve_workers).
     block: query positions per attention block (attention.BLOCK). keep_probs: False recomputes
     the attention probabilities in backward instead of keeping them; None keeps them up to
-    KEEP_PROBS_MAX_T positions, and never with LoRA, which also recomputes the SwiGLU's sigmoid:
-    its goal is memory (the base's weights, frozen, are its only other large arrays).
+    KEEP_PROBS_MAX_T positions. With LoRA the blocks keep a lean cache (engine/block.py: no
+    probabilities, attention output or sigmoid, whatever keep_probs says): its goal is memory
+    (the base's weights, frozen, are its only other large arrays).
     checkpointing: gradient checkpointing (module docstring).
     Returns: loss (python float), grads keyed like params (views of one new flat array), or
     like lora's adapters.
@@ -129,8 +130,8 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     step = TrainPass(config, params, layers, dlayers, None if lora else grads,
                      rotations(rope[0][:T], rope[1][:T], config.head_dim), n_valid,
                      ShardSums(n_shards(workers, B, T, config.dim)), BLOCK if block is None else block,
-                     (T <= KEEP_PROBS_MAX_T and lora is None) if keep_probs is None else keep_probs,
-                     lora is None, checkpointing)
+                     T <= KEEP_PROBS_MAX_T if keep_probs is None else keep_probs,
+                     lora is not None, checkpointing)
     # One BLAS thread throughout, also with one worker: at these sizes OpenBLAS's second thread
     # costs more in hand-offs than it adds (a 1024 x 128 x 704 GEMM: 94 GF/s alone, 23 on two).
     with blas_threads(1):
@@ -152,7 +153,7 @@ def _shard_loss_and_grads(p: TrainPass, shard: int, tokens, targets) -> float:
     for i, w in enumerate(p.layers):
         x_in = x
         x, c = block_forward(x, w, rot, s, eps, block=p.block, keep_probs=p.keep_probs,
-                             keep_sigmoid=p.keep_sigmoid)
+                             lean=p.lean)
         # the last block's backward comes next: its cache is kept, not recomputed at once
         caches.append(x_in if p.checkpointing and i < L - 1 else c)
     rstd = rms_rstd(x, eps)
@@ -165,10 +166,14 @@ def _shard_loss_and_grads(p: TrainPass, shard: int, tokens, targets) -> float:
     # The chain rule starts here: dloss = 1.0, and the loss divides by the batch's valid targets.
     # Frozen (LoRA), the output weight needs no gradient, so the logits, the step's largest array
     # (N, V), are made CLASSIFIER_ROWS rows at a time; otherwise whole, for dW_out = dlogits^T xn.
-    rows = CLASSIFIER_ROWS if frozen else len(ids)
+    # One buffer serves every chunk: a chunk's logits made before the last one's are freed would
+    # hold two chunks at the step's peak.
+    rows = min(CLASSIFIER_ROWS if frozen else len(ids), len(ids))
     loss, dxn = 0.0, np.empty_like(xn)
+    chunk = np.empty((rows, cfg.vocab_size), dtype=xn.dtype)
     for r in range(0, len(ids), rows):
-        logits = xn[r:r + rows] @ w_out.T                                # (n, D) -> (n, V)
+        logits = chunk[:len(ids) - r]                                    # (n, V), n = rows but the last
+        np.matmul(xn[r:r + rows], w_out.T, out=logits)                   # (n, D) -> (n, V)
         chunk_loss, dlogits = cross_entropy_in_place(logits, y[r:r + rows], p.n_valid)
         loss += chunk_loss
         np.matmul(dlogits, w_out, out=dxn[r:r + rows])
@@ -177,7 +182,7 @@ def _shard_loss_and_grads(p: TrainPass, shard: int, tokens, targets) -> float:
             dw_out = dlogits.T @ xn                                      # kept: the embedding adds into it
         else:
             p.sums.put((L, OUTPUT_SLOT), p.grads[out_name], shard, product(dlogits.T, xn))
-    del logits, dlogits, xn
+    del chunk, logits, dlogits, xn
     dx, dnorm = rms_backward(dxn, x, rstd, norm_w)
     if not frozen:
         p.sums.put((L, NORM_SLOT), p.grads["norm.weight"], shard, value(dnorm))
@@ -185,7 +190,7 @@ def _shard_loss_and_grads(p: TrainPass, shard: int, tokens, targets) -> float:
         c = caches.pop()
         if p.checkpointing and i < L - 1:   # the same forward on the same input: the same cache, bit for bit
             _, c = block_forward(c, p.layers[i], rot, s, eps, block=p.block, keep_probs=p.keep_probs,
-                                 keep_sigmoid=p.keep_sigmoid)
+                                 lean=p.lean)
         dx = block_backward(dx, c, p.layers[i], s, rot, GradSink(p.sums, shard, i, None if frozen else p.dlayers[i]))
         del c
     if frozen:                              # the embedding is frozen too: nothing more to form

@@ -140,6 +140,32 @@ def test_block_causal_attention_equals_the_reference_op(b, KVH, R, T, half, bloc
         assert rel_error(got, expected, floor=floor) < 1e-10
 
 
+@settings(max_examples=20)
+@given(st.integers(1, 2), st.integers(1, 7), st.integers(1, 4), st.sampled_from([np.float32, np.float64]),
+       st.integers(0, 1000))
+def test_a_lean_block_cache_keeps_less_and_gives_the_same_backward_bits(b, T, block_size, dtype, seed):
+    """LoRA's lean cache (no attention probabilities, attention output or sigmoid; backward remakes
+    them) against the full cache: the same output and the same dx, bit for bit, in either dtype."""
+    from npllama.engine.block import GradSink, Shape, block_backward, block_forward, rotations
+    from npllama.engine.stacked import stack_layer
+    from npllama.model import layer_weights, model_rope_tables
+    cfg = CFG.replace(max_seq_len=8)
+    params = {n: p.astype(dtype) for n, p in npllama.Llama(cfg, seed=seed).params.items()}
+    cos, sin = model_rope_tables(cfg, dtype)
+    rot = rotations(cos[:T], sin[:T], cfg.head_dim)
+    s = Shape(b, T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim)
+    w = stack_layer(layer_weights(params, 0))
+    rng = np.random.default_rng(seed)
+    x, dout = (rng.standard_normal((b * T, cfg.dim)).astype(dtype) for _ in range(2))
+    sink = GradSink(shards.ShardSums(1), 0, 0, None)                  # frozen weights, as in LoRA
+    out, full = block_forward(x, w, rot, s, cfg.norm_eps, block=block_size)
+    lean_out, lean = block_forward(x, w, rot, s, cfg.norm_eps, block=block_size, lean=True)
+    assert full.att is not None and full.sig is not None and full.attention.probs is not None
+    assert lean.att is None and lean.sig is None and lean.attention.probs is None
+    np.testing.assert_array_equal(lean_out, out)
+    np.testing.assert_array_equal(block_backward(dout, lean, w, s, rot, sink), block_backward(dout, full, w, s, rot, sink))
+
+
 @settings(max_examples=25)
 @given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 9), st.integers(0, 6),
        st.integers(1, 6), st.integers(0, 1000))
