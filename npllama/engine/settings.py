@@ -31,8 +31,9 @@ for its own duration: glibc's default thresholds are set back when it returns, b
 freed inside it are not handed back. Its activations live in the shard threads' malloc arenas,
 where nothing but the engine's own work is freed between passes (FusedAdamW keeps a scratch
 chunk per thread for this: freeing one there would trim the arena's top), so the next pass finds
-them in place: a library user's loop then faults no more than `npllama train` does (cfg a of
-tools/bench_train.py: 18,000 page faults a step before, 400 after). The cost is that those
+them in place: a library user's loop then faults in little more than the new gradient array
+each step (cfg a of tools/bench_train.py: 18,000 page faults a step before, 800-2,000 after,
+against 0 in `npllama train`, whose block also keeps the calling thread's). The cost is that those
 pages stay the process's until the threads need them again; release_freed_memory() (malloc_trim)
 hands them back. A loop may still hold freed_memory_kept() around every step, as `npllama
 train` does, to keep the calling thread's memory too:
