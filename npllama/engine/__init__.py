@@ -30,8 +30,7 @@ a decoder's helper thread ends with the decoder.
 from .adamw import FusedAdamW
 from .backend import EngineBackend
 from .cache import DecodeCache
-from .settings import blas_threads, freed_memory_kept, release_freed_memory
+from .settings import blas_threads, freed_memory_kept
 from .shards import pass_footprint
 
-__all__ = ["blas_threads", "DecodeCache", "EngineBackend", "freed_memory_kept", "FusedAdamW", "pass_footprint",
-           "release_freed_memory"]
+__all__ = ["blas_threads", "DecodeCache", "EngineBackend", "freed_memory_kept", "FusedAdamW", "pass_footprint"]

@@ -19,7 +19,6 @@ so a library user's loop and `npllama train` step alike.
 
 from __future__ import annotations
 
-import threading
 from typing import Mapping
 
 import numpy as np
@@ -77,18 +76,12 @@ class FusedAdamW(optim.AdamW):
             f.result()
 
 
-# One scratch chunk per thread, kept between steps: freed after each step, it would trim the top
-# of its thread's malloc arena, where the passes' activations live (engine/settings.py), and the
-# next pass would fault them all in again.
-_scratch = threading.local()
-
-
 def _update(pieces, scalars: StepScalars) -> None:
-    """adamw_update on each (p, g, m, v, decayed) piece, with this thread's scratch array."""
+    """adamw_update on each (p, g, m, v, decayed) piece, with one scratch array for all."""
+    scratch = np.empty(0)
     for p, g, m, v, decayed in pieces:
-        scratch = getattr(_scratch, "array", None)
-        if scratch is None or scratch.size < p.size or scratch.dtype != p.dtype:
-            scratch = _scratch.array = np.empty(max(p.size, CHUNK), dtype=p.dtype)
+        if scratch.size < p.size or scratch.dtype != p.dtype:
+            scratch = np.empty(max(p.size, CHUNK), dtype=p.dtype)
         adamw_update(p, g, m, v, scratch[:p.size].reshape(p.shape), decayed, scalars)
 
 

@@ -44,7 +44,7 @@ from .fused import add_rows, cross_entropy_in_place, rms_backward, rms_rstd
 from .layout import FlatLayout, stacked_views
 from .lora import adapted_layers
 from .projections import linear_in_place
-from .settings import blas_threads, freed_memory_kept
+from .settings import blas_threads
 from .shards import ShardSums, _executor, available_cores, n_shards, product, resolve_workers, run_sharded, value
 from .stacked import stack_layer
 from .upcast import float_params, upcast
@@ -134,8 +134,7 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
                      lora is not None, checkpointing)
     # One BLAS thread throughout, also with one worker: at these sizes OpenBLAS's second thread
     # costs more in hand-offs than it adds (a 1024 x 128 x 704 GEMM: 94 GF/s alone, 23 on two).
-    # The freed activations stay in the threads' arenas for the next call (engine/settings.py).
-    with blas_threads(1), freed_memory_kept(release=False):
+    with blas_threads(1):
         losses = run_sharded(lambda j, rows, x, y: _shard_loss_and_grads(step, j, x, y), workers, config.dim,
                              tokens, targets)
     return sum(losses), grads
@@ -257,10 +256,10 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, s
     small = tokens.size * config.dim < MIN_THREADED_ACTIVATIONS
     cores = available_cores()
     if shareable and isinstance(kv_cache, DecodeCache) and workers is None and B < cores and not small:
-        with blas_threads(1), freed_memory_kept(release=False):
+        with blas_threads(1):
             return _forward_by_positions(p, tokens, position_shards(config, start_pos, T, cores))
     workers = resolve_workers(workers if shareable else 1, B, T, config.dim)
-    with blas_threads(1 if small else None), freed_memory_kept(release=False):
+    with blas_threads(1 if small else None):
         shards = run_sharded(lambda j, rows, x: _shard_forward(p, rows, x), workers, config.dim, tokens)
     return np.concatenate(shards)
 

@@ -2,7 +2,6 @@
 
     with blas_threads(1): ...          OpenBLAS's thread count (every pass and decode step)
     with freed_memory_kept(): ...      glibc keeps freed memory for reuse (a training run)
-    with freed_memory_kept(release=False): ...    the same for one pass, its memory kept after
 
 BLAS threads. How many threads NumPy's BLAS may use, changed for the duration of a block.
 
@@ -24,26 +23,13 @@ and 118 ms of kernel time in a 450 ms step (dim 128, T 128, B 32). Raising the t
 would at start-up) keeps that memory in the process: no faults a step. The peak is unchanged;
 what changes is that the process stays at its peak between steps. freed_memory_kept() sets them
 for a block (npllama train wraps its run in it) and sets glibc's defaults back after, handing
-the kept pages back.
-
-Each engine pass (engine/passes.py: loss_and_grads, forward) holds freed_memory_kept(release=False)
-for its own duration: glibc's default thresholds are set back when it returns, but the pages
-freed inside it are not handed back. Its activations live in the shard threads' malloc arenas,
-where nothing but the engine's own work is freed between passes (FusedAdamW keeps a scratch
-chunk per thread for this: freeing one there would trim the arena's top), so the next pass finds
-them in place: a library user's loop then faults in little more than the new gradient array
-each step (cfg a of tools/bench_train.py: 18,000 page faults a step before, 800-2,000 after,
-against 0 in `npllama train`, whose block also keeps the calling thread's). The cost is that those
-pages stay the process's until the threads need them again; release_freed_memory() (malloc_trim)
-hands them back. A loop may still hold freed_memory_kept() around every step, as `npllama
-train` does, to keep the calling thread's memory too:
+the kept pages back; a library user's training loop opts in the same way, explicitly:
 
     with npllama.engine.freed_memory_kept():
         for step in range(n): loss, grads = model.loss_and_grads(x, y); ...
 
 (glibc's dynamic raising of its mmap threshold stays off after any mallopt: glibc has no call
-to turn it back on, so after the first pass the thresholds are glibc's fixed defaults.)
-Elsewhere than glibc (macOS, musl) it does nothing.
+to turn it back on.) Elsewhere than glibc (macOS, musl) it does nothing.
 """
 
 from __future__ import annotations
@@ -162,11 +148,8 @@ def release_freed_memory() -> None:
 
 class freed_memory_kept:
     """Within the block, glibc keeps freed memory for reuse (module docstring); after the
-    outermost block, its default thresholds are set back and, unless release is False, the kept
-    pages handed back. .active tells whether glibc took the setting."""
-
-    def __init__(self, release: bool = True):
-        self.release = release
+    outermost block, its default thresholds are set back and the kept pages released.
+    .active tells whether glibc took the setting."""
 
     def __enter__(self):
         global _depth
@@ -181,5 +164,4 @@ class freed_memory_kept:
             _depth -= 1
             if _depth == 0 and _MALLOPT is not None:
                 _set_thresholds(DEFAULT_THRESHOLD, DEFAULT_THRESHOLD)
-                if self.release:
-                    release_freed_memory()
+                release_freed_memory()
