@@ -44,7 +44,7 @@ from .fused import add_rows, cross_entropy_in_place, rms_backward, rms_rstd
 from .layout import FlatLayout, stacked_views
 from .lora import adapted_layers
 from .projections import linear_in_place
-from .settings import blas_threads
+from .settings import adapt_malloc_once, blas_threads
 from .shards import ShardSums, _executor, available_cores, n_shards, product, resolve_workers, run_sharded, value
 from .stacked import stack_layer
 from .upcast import float_params, upcast
@@ -115,6 +115,7 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     like lora's adapters.
     """
     n_valid = count_valid(targets)
+    adapt_malloc_once()                     # freed activations are then kept for the next step (settings.py)
     B, T = tokens.shape
     workers = resolve_workers(workers, B, T, config.dim)
     dtype = rope[0].dtype
@@ -239,6 +240,7 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, s
     cores instead (position_shards), unless workers is given.
     """
     B, T = tokens.shape
+    adapt_malloc_once()
     dtype = rope[0].dtype
     flat = stacked_views(params, config) is not None
     if lora is None:
