@@ -8,10 +8,8 @@ each of its linear layers is a Product fixed when the step is made:
 A Product is a list of pieces, each one NumPy call on a block of W's rows, made once: a step
 then costs no Python beyond calling them. The pieces by the number of rows B:
 
-    B = 1          np.vecdot(W, x): one dot product per row of W, read in place, 1.7-2x the
-                   bandwidth of OpenBLAS's gemv on this (out, in) layout (measured on 2 cores:
-                   17-30 vs 8-15 GB/s, one thread), as fast as gemv on a transposed copy
-                   (NumPy 1.x, which has no vecdot: the gemv, W @ x)
+    B = 1          W @ x: OpenBLAS's gemv on W read in place, or x @ W for a W stored (in, n)
+                   (rows_first), on all cores' BLAS threads when W is large (CORES_MIN_WEIGHTS)
     B <= FEW_ROWS  W @ x.T a block of rows at a time, each small enough for OpenBLAS's small-matrix
                    kernels (SMALL_GEMM_MNK), through transposed copies of x and out
     more           one GEMM per matrix, on the process's BLAS threads
@@ -21,10 +19,13 @@ and a matrix held in float16 / bfloat16 (or float32 under float64 activations, i
 into the activations' dtype a block of rows at a time, in a buffer that stays in cache
 (HALF_BLOCK_ELEMENTS), and multiplied there: DRAM only sees the 2-byte weights.
 
-Two threads. A Product whose weights are large enough (SPLIT_MIN_WEIGHTS) cuts W's rows in two
-halves, the second run by the decoder's helper thread (RowHalves) while the caller runs the first:
-a batch-1 step streams the weights from both cores at once. Each half is its own NumPy calls, so
-the dot products and their sums are the same whichever thread runs them.
+Two threads. With one row, a Product of at least CORES_MIN_WEIGHTS float weights runs its gemv
+on OpenBLAS's threads, one per core, and the rest of the step on one: both cores stream the
+weights. With 2 to FEW_ROWS rows, or weights held in half precision (whose upcast is NumPy's, on
+one core), a Product of at least SPLIT_MIN_WEIGHTS weights cuts W's rows in two halves instead,
+the second run by the decoder's helper thread (RowHalves) while the caller runs the first. Each
+half is its own NumPy calls, so the dot products and their sums are the same whichever thread
+runs them.
 
 Two layouts of the weights (engine.decode.DecodeStep picks one by size):
 
@@ -52,6 +53,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..model import layer_weights, output_weight_name
+from .settings import blas_threads
 from .shards import available_cores
 from .stacked import fold_norms, stack_layers
 from .upcast import upcast, upcast_into
@@ -61,9 +63,10 @@ from .upcast import upcast, upcast_into
 # 7B the larger blocks keep the Python loop, ~8 us a block, under a tenth of a token's time).
 HALF_BLOCK_ELEMENTS = 1 << 18
 
-# One row through W (n, in): np.vecdot (NumPy >= 2.0), a dot product per row of W read in place;
-# NumPy 1.x gets OpenBLAS's gemv.
-_matvec = np.vecdot if hasattr(np, "vecdot") else np.matmul
+# One row through W (n, in) read in place: OpenBLAS's gemv (W @ x). Measured on 2 December 2026
+# (110M's matrices, cold, one thread): 1.1-1.4x the speed of np.vecdot's dot product per row, which
+# an earlier measurement had found faster; whole 110M steps: 38 against 34 tokens/s.
+_matvec = np.matmul
 
 # OpenBLAS multiplies matrices with M * N * K <= 10^6 by its small-matrix kernels, which skip
 # packing the operands (its sgemm_small_kernel_permit on SkylakeX-class CPUs). For a few rows of x,
@@ -73,10 +76,16 @@ SMALL_GEMM_MNK = 10 ** 6
 # Up to this many rows of x, a GEMM through an (out, in) matrix goes in such blocks.
 FEW_ROWS = 32
 
-# A product of up to FEW_ROWS rows through at least this many weights is cut in two halves of W's
-# rows, the second on the helper thread (RowHalves). A hand-off costs ~20 us; half of a
-# 1 MB matrix read at ~10 GB/s saves ~50.
+# A product of 2 to FEW_ROWS rows (or of one row through half-held weights) through at least this
+# many weights is cut in two halves of W's rows, the second on the helper thread (RowHalves). A
+# hand-off costs ~20 us; half of a 1 MB matrix read at ~10 GB/s saves ~50.
 SPLIT_MIN_WEIGHTS = 1 << 17
+# One row through at least this many float weights: OpenBLAS's gemv on all cores. Measured
+# (2 December 2026, cold matrices, per call): 2304 x 768 123 us on two threads against 487 on
+# one and 376 in RowHalves' halves; 4096 x 288 (in, out) 96 against 192; 768 x 768 59 against
+# 97; below, 1536 x 288 64 against 51 and 864 x 288 79 against 32: the threads' wake-up costs more.
+# Whole steps: 110M 43 tokens/s against 38 with the halves.
+CORES_MIN_WEIGHTS = 1 << 19
 
 
 class RowHalves:
@@ -148,19 +157,22 @@ class Product:
     def __init__(self, ws, x, out, halves: RowHalves | None = None, pre=(), post=(), rows_first=False,
                  buffers=(None, None)):
         B, n_in = x.shape
-        self.pre, self.post, self.halves = list(pre), list(post), None
+        self.pre, self.post, self.halves, self.cores = list(pre), list(post), None, None
+        n = ws[0].shape[1] if rows_first else sum(w.shape[0] for w in ws)
+        if B == 1 and n * n_in >= CORES_MIN_WEIGHTS and available_cores() >= 2 \
+                and all(w.dtype == x.dtype for w in ws):
+            self.cores = blas_threads(available_cores())              # the step runs on one BLAS thread
         if rows_first:                                              # x, out contiguous (Activations)
             self.ours = [partial(np.dot, x, ws[0], out=out)]         # np.dot: ~1 us a call less than np.matmul
             return
-        n = sum(w.shape[0] for w in ws)
         if FEW_ROWS >= B > 1:                       # blocks of W @ x.T through transposed copies
             self.xt, self.out_t = np.empty((n_in, B), x.dtype), np.empty((n, B), x.dtype)
             self.pre.append(partial(np.copyto, self.xt, x.T))
             self.post.insert(0, partial(np.copyto, out, self.out_t.T))
         self.x, self.out = x, out
         rows = [(w, start) for w, start in zip(ws, np.cumsum([0] + [w.shape[0] for w in ws]))]
-        if halves is not None and B <= FEW_ROWS and n * n_in >= SPLIT_MIN_WEIGHTS and available_cores() >= 2 \
-                and n >= 2:
+        if halves is not None and B <= FEW_ROWS and self.cores is None and n * n_in >= SPLIT_MIN_WEIGHTS \
+                and available_cores() >= 2 and n >= 2:
             self.halves = halves
             self.ours = self._pieces(_rows_between(rows, 0, n // 2), buffers[0])
             self.theirs = self._pieces(_rows_between(rows, n // 2, n), buffers[1])
@@ -170,18 +182,22 @@ class Product:
     @property
     def call(self):
         """The fastest callable computing out: the one piece itself when that is all there is."""
-        if len(self.ours) == 1 and not (self.pre or self.post or self.halves):
+        if len(self.ours) == 1 and not (self.pre or self.post or self.halves or self.cores):
             return self.ours[0]
         return self
 
     def __call__(self):
         for call in self.pre:
             call()
-        if self.halves is None:
+        if self.halves is not None:
+            self.halves.run(self.theirs, self.ours)
+        elif self.cores is not None:
+            with self.cores:
+                for piece in self.ours:
+                    piece()
+        else:
             for piece in self.ours:
                 piece()
-        else:
-            self.halves.run(self.theirs, self.ours)
         for call in self.post:
             call()
 
@@ -262,10 +278,11 @@ class StackedProjections:
         B, H, Dh = acts.xn.shape[0], config.n_heads, config.head_dim
         # OpenBLAS picks its kernel by shape. Measured per step (one thread): with 2 rows, x @ W
         # with W stored (in, out) beats (W @ x.T).T with W stored (out, in), as Meta has it, by
-        # 1.4x on an 8M model; with 4+ rows the latter wins by up to 1.4x; with one row they tie
-        # for dim 288, and x @ W saves ~0.5 us a matmul for dim 64, where calls dominate. Storing
-        # (in, out) costs a transposing copy of every matrix at setup, so it is done only where it pays.
-        rows_first = B == 2 or (B == 1 and config.dim <= 128)
+        # 1.4x on an 8M model; with 4+ rows the latter wins by up to 1.4x. With one row x @ W
+        # wins too (2 December 2026, 8M: 340-350 tokens/s against 240; per call 1.3-1.7x on
+        # dim 288's wide matrices, level on the down projection). Storing (in, out) costs a
+        # transposing copy of every matrix at setup, so it is done only where it pays.
+        rows_first = B <= 2
         dtype = acts.xn.dtype
 
         def product(w, x, out):

@@ -119,8 +119,10 @@ LAYOUTS = st.sampled_from(["stacked", "in_place"])
 @given(configs(), st.integers(1, 4), st.integers(1, 6), LAYOUTS, st.booleans(), st.integers(0, 10_000))
 def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, split, seed):
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
-    as large models' are, whatever its size and the machine's cores."""
+    and every one-row product run on two BLAS threads, as large models' are, whatever its size and
+    the machine's cores."""
     with mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
+            mock.patch.object(projections, "CORES_MIN_WEIGHTS", 0 if split else projections.CORES_MIN_WEIGHTS), \
             mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
         _decode_equals_the_reference(cfg, B, P, layout, seed)
 
@@ -311,18 +313,25 @@ def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused
     engine_settings.set_blas_threads(before)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])                  # one dot product a row, small GEMMs, one GEMM
-def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_their_thread(monkeypatch, rows):
+@pytest.mark.parametrize("rows, held", [(1, "float64"), (1, "float32"), (5, "float64"), (40, "float64")])
+def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_their_thread(monkeypatch, rows, held):
+    """One row: a gemv on two BLAS threads, or, through weights held in another dtype (upcast a
+    block at a time), halves on two threads; small GEMMs in halves; one GEMM."""
     monkeypatch.setattr(projections, "SPLIT_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(projections, "CORES_MIN_WEIGHTS", 0)
     monkeypatch.setattr(projections, "available_cores", lambda: 2)
     rng = np.random.default_rng(0)
-    ws, x = [rng.standard_normal((301, 40)), rng.standard_normal((6, 40))], rng.standard_normal((rows, 40))
+    ws, x = [rng.standard_normal((301, 40)).astype(held), rng.standard_normal((6, 40)).astype(held)], \
+        rng.standard_normal((rows, 40))
     halves = projections.RowHalves()
     out = np.empty((rows, 307))
-    product = projections.Product(ws, x, out, halves)
-    assert (product.halves is halves) == (rows <= projections.FEW_ROWS)
+    buffers = (None, None) if held == "float64" else projections.half_buffers({"w": ws[0]}, x.dtype, 40)
+    product = projections.Product(ws, x, out, halves, buffers=buffers)
+    on_blas_threads = rows == 1 and held == "float64"
+    assert (product.cores is not None) == on_blas_threads
+    assert (product.halves is halves) == (rows <= projections.FEW_ROWS and not on_blas_threads)
     product()
-    assert rel_error(out, x @ np.concatenate(ws).T) < TOL
+    assert rel_error(out, x @ np.concatenate(ws).astype(np.float64).T) < TOL
     first = out.copy()
     product()
     assert np.array_equal(out, first)                        # the same bits every call
