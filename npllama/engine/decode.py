@@ -44,8 +44,9 @@ from ..errors import NpllamaError
 # costs more in hand-off than it saves, and on a busy machine its spin-waiting is ruinous (measured
 # on 2 cores under load: 431 vs 98 tok/s for an 8M model at batch 1; 110M matvecs 0.6-5 GB/s on
 # two threads against 17-30 on one). Set for each step and restored after it, so a paused
-# generator leaves the process as it found it. (np.vecdot, the one-row matvec of large models,
-# runs on the calling thread whatever this says.)
+# generator leaves the process as it found it. (A one-row product through a large matrix runs its
+# gemv on the process's BLAS threads, as many as there were when the step was made:
+# projections.CORES_MIN_WEIGHTS; in a process set to one BLAS thread its rows go in halves.)
 DECODE_BLAS_THREADS = 1
 
 # A step of up to projections.FEW_ROWS rows runs its GEMMs through OpenBLAS's small-matrix

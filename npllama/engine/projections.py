@@ -20,12 +20,16 @@ into the activations' dtype a block of rows at a time, in a buffer that stays in
 (HALF_BLOCK_ELEMENTS), and multiplied there: DRAM only sees the 2-byte weights.
 
 Two threads. With one row, a Product of at least CORES_MIN_WEIGHTS float weights runs its gemv
-on OpenBLAS's threads, one per core, and the rest of the step on one: both cores stream the
-weights. With 2 to FEW_ROWS rows, or weights held in half precision (whose upcast is NumPy's, on
-one core), a Product of at least SPLIT_MIN_WEIGHTS weights cuts W's rows in two halves instead,
-the second run by the decoder's helper thread (RowHalves) while the caller runs the first. Each
-half is its own NumPy calls, so the dot products and their sums are the same whichever thread
-runs them.
+on OpenBLAS's threads (as many as the process allows when the Product is made, at most one per
+core), and the rest of the step on one: every core streams the weights. OpenBLAS's threads spin
+while they wait, which costs dearly when another job holds a core (measured with one core busy:
+110M 17-19 tokens/s against 23 with the halves below; 15M 115-125 against 177-225). A process
+that runs with one BLAS thread (npllama.engine.blas_threads(1) around generation, the advice for
+a busy machine) gets the halves instead. With 2 to FEW_ROWS rows, or weights held in half
+precision (whose upcast is NumPy's, on one core), or one BLAS thread, a Product of at least
+SPLIT_MIN_WEIGHTS weights cuts W's rows in two halves, the second run by the decoder's helper
+thread (RowHalves), which sleeps between jobs, while the caller runs the first. Each half is its
+own NumPy calls, so the dot products and their sums are the same whichever thread runs them.
 
 Two layouts of the weights (engine.decode.DecodeStep picks one by size):
 
@@ -53,7 +57,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..model import layer_weights, output_weight_name
-from .settings import blas_threads
+from .settings import blas_threads, get_blas_threads
 from .shards import available_cores
 from .stacked import fold_norms, stack_layers
 from .upcast import upcast, upcast_into
@@ -159,9 +163,9 @@ class Product:
         B, n_in = x.shape
         self.pre, self.post, self.halves, self.cores = list(pre), list(post), None, None
         n = ws[0].shape[1] if rows_first else sum(w.shape[0] for w in ws)
-        if B == 1 and n * n_in >= CORES_MIN_WEIGHTS and available_cores() >= 2 \
-                and all(w.dtype == x.dtype for w in ws):
-            self.cores = blas_threads(available_cores())              # the step runs on one BLAS thread
+        threads = min(get_blas_threads() or 1, available_cores())
+        if B == 1 and n * n_in >= CORES_MIN_WEIGHTS and threads >= 2 and all(w.dtype == x.dtype for w in ws):
+            self.cores = blas_threads(threads)                        # the step runs on one BLAS thread
         if rows_first:                                              # x, out contiguous (Activations)
             self.ours = [partial(np.dot, x, ws[0], out=out)]         # np.dot: ~1 us a call less than np.matmul
             return

@@ -123,6 +123,7 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
     the machine's cores."""
     with mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
             mock.patch.object(projections, "CORES_MIN_WEIGHTS", 0 if split else projections.CORES_MIN_WEIGHTS), \
+            mock.patch.object(projections, "get_blas_threads", lambda: 2), \
             mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
         _decode_equals_the_reference(cfg, B, P, layout, seed)
 
@@ -313,13 +314,17 @@ def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused
     engine_settings.set_blas_threads(before)
 
 
-@pytest.mark.parametrize("rows, held", [(1, "float64"), (1, "float32"), (5, "float64"), (40, "float64")])
-def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_their_thread(monkeypatch, rows, held):
-    """One row: a gemv on two BLAS threads, or, through weights held in another dtype (upcast a
-    block at a time), halves on two threads; small GEMMs in halves; one GEMM."""
+@pytest.mark.parametrize("rows, held, blas", [(1, "float64", 2), (1, "float64", 1), (1, "float32", 2),
+                                              (5, "float64", 2), (40, "float64", 2)])
+def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_their_thread(monkeypatch, rows, held,
+                                                                                          blas):
+    """One row: a gemv on two BLAS threads, or, when the process runs one BLAS thread or the weights
+    are held in another dtype (upcast a block at a time), halves on two threads; small GEMMs in
+    halves; one GEMM."""
     monkeypatch.setattr(projections, "SPLIT_MIN_WEIGHTS", 0)
     monkeypatch.setattr(projections, "CORES_MIN_WEIGHTS", 0)
     monkeypatch.setattr(projections, "available_cores", lambda: 2)
+    monkeypatch.setattr(projections, "get_blas_threads", lambda: blas)
     rng = np.random.default_rng(0)
     ws, x = [rng.standard_normal((301, 40)).astype(held), rng.standard_normal((6, 40)).astype(held)], \
         rng.standard_normal((rows, 40))
@@ -327,7 +332,7 @@ def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_the
     out = np.empty((rows, 307))
     buffers = (None, None) if held == "float64" else projections.half_buffers({"w": ws[0]}, x.dtype, 40)
     product = projections.Product(ws, x, out, halves, buffers=buffers)
-    on_blas_threads = rows == 1 and held == "float64"
+    on_blas_threads = rows == 1 and held == "float64" and blas == 2
     assert (product.cores is not None) == on_blas_threads
     assert (product.halves is halves) == (rows <= projections.FEW_ROWS and not on_blas_threads)
     product()
