@@ -41,10 +41,10 @@ glibc raises its mmap threshold to the size of the largest mmapped block freed s
 32 MB) and its trim threshold to twice that: a program that once frees a large array stops
 handing smaller ones back to the OS. A step of a small model frees no array that large, so its
 thresholds stay at a few MB, and each step's freed activations go back to the OS and fault in
-again (cfg a: 21,000 page faults a step, 7% of its time). adapt_malloc_once(), called by every
+again (cfg a: 18,000-21,000 page faults a step, 7% of its time). adapt_malloc_once(), called by every
 pass, frees one untouched block just under 32 MB, once per process: the thresholds go where a
 program with large arrays takes them anyway, glibc keeps adapting afterwards, and no setting is
-made. Measured after it: cfg a's library step faults 17 pages instead of 21,000 and is as fast as
+made. Measured after it: cfg a's library step faults 1-17 pages instead, and is as fast as
 `npllama train`'s; PyTorch's step in the same process faults 400-750 pages instead of 6,000 (it
 gains too). The freed memory (at most 64 MB free at the top of each thread's heap) stays the
 process's for the next step; release_freed_memory() hands it back.
