@@ -21,11 +21,11 @@ handed back to the OS on both sides), against the base weights' bytes.
     python tools/bench_finetune.py --gradient-checkpointing    # both sides recompute blocks in backward
 
 Example output (2-core x86_64, OpenBLAS, torch 2.13 CPU; docs/speed.md "Fine-tuning"; lora: 2 December
-2026, load average 1.0-1.4; full: an earlier day, load average 1.0-1.4):
+2026, load average 1.3-1.7; full: an earlier day, load average 1.0-1.4):
     shape 110m: dim 768, 12 layers, 12 heads, vocab 32000, tied (109.5M params, 418 MB float32); batch 4 x 128
     tokens; LoRA rank 8 on wq,wk,wv,wo,w1,w2,w3
-      lora | npllama 265 tok/s (2 threads), peak 623 MB = 1.49 x weights | torch 217 tok/s (2 threads),
-             peak 1,664 MB = 3.98 x weights | speed ratio npllama / torch 1.22
+      lora | npllama 260 tok/s (2 threads), peak 613 MB = 1.47 x weights | torch 208 tok/s (2 threads),
+             peak 1,678 MB = 4.02 x weights | speed ratio npllama / torch 1.25
       full | npllama 192 tok/s (2 threads), peak 2,459 MB = 5.89 x weights | torch 204 tok/s (2 threads),
              peak 2,522 MB = 6.04 x weights | speed ratio npllama / torch 0.95
 """
