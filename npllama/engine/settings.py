@@ -170,7 +170,10 @@ def adapt_malloc_once() -> None:
     global _adapted
     if not _adapted and _MALLOPT is not None:
         _adapted = True
-        numpy.empty(ADAPT_BLOCK_BYTES, dtype=numpy.uint8)      # mmapped, never touched, unmapped at once
+        try:
+            numpy.empty(ADAPT_BLOCK_BYTES, dtype=numpy.uint8)  # mmapped, never touched, unmapped at once
+        except MemoryError:                                     # a tight address-space limit: only speed is lost
+            pass
 
 
 def release_freed_memory() -> None:

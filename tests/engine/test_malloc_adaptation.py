@@ -60,3 +60,12 @@ def test_adapting_is_done_once_and_makes_no_mallopt(monkeypatch):
     settings.adapt_malloc_once()
     settings.adapt_malloc_once()
     assert calls == [("empty", (settings.ADAPT_BLOCK_BYTES,))]
+
+
+def test_adapting_under_a_tight_memory_limit_is_skipped_quietly(monkeypatch):
+    def no_memory(*a, **k):
+        raise MemoryError("address space limit")
+    monkeypatch.setattr(settings, "_adapted", False)
+    monkeypatch.setattr(settings.numpy, "empty", no_memory)
+    settings.adapt_malloc_once()                       # only speed is lost: no error
+    assert settings._adapted
