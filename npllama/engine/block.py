@@ -152,6 +152,17 @@ def kv_append(kv: KV, k_new, v_new):
     return k, np.concatenate((v, np.ones(v.shape[:-1] + (1,), dtype=v.dtype)), axis=-1)
 
 
+def _attend(q, k, v1, s: Shape, **options):
+    """attention_forward of q over k, v1 into a new att (N, H*Dh), wo's input layout. -> (att, its cache)"""
+    b, T, H, KVH, Dh, _ = s
+    att = np.empty((b * T, H * Dh), dtype=q.dtype)
+    # many small GEMMs, one per (row, kv head) and query block: one BLAS thread runs them faster
+    # than two, whose hand-offs cost more than the arithmetic (a sharded pass has one already)
+    with blas_threads(1):
+        cache = attention_forward(q, k, v1, att.reshape(b, T, KVH, H // KVH, Dh).transpose(0, 2, 1, 3, 4), **options)
+    return att, cache
+
+
 def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, *, block: int, keep_probs: bool = True,
                   lean: bool = False, keep: bool = True, kv: KV | None = None, bias=None):
     """model.block_forward on 2-D activations x (N, D), N = b*T.
@@ -172,13 +183,8 @@ def block_forward(x, w: StackedLayer, rot: Rotations, s: Shape, eps, *, block: i
     del xn
     q, k, v1 = _attention_inputs(qkv, rot, s, kv)
     del qkv
-    att = np.empty((b * T, H * Dh), dtype=x.dtype)
-    # many small GEMMs, one per (row, kv head) and query block: one BLAS thread runs them faster
-    # than two, whose hand-offs cost more than the arithmetic (a sharded pass has one already)
-    with blas_threads(1):
-        c_att = attention_forward(q, k, v1, att.reshape(b, T, KVH, H // KVH, Dh).transpose(0, 2, 1, 3, 4),
-                                  block=block, keep_probs=keep_probs and keep and not lean,
-                                  start=0 if kv is None else kv.start, bias=bias)
+    att, c_att = _attend(q, k, v1, s, block=block, keep_probs=keep_probs and keep and not lean,
+                         start=0 if kv is None else kv.start, bias=bias)
     h, xa_o = project(att, w.wo)
     h += x                                                               # residual
     rstd2 = rms_rstd(h, eps)
@@ -239,11 +245,7 @@ def block_backward(dout, c: BlockCache, w: StackedLayer, s: Shape, rot: Rotation
     # undo h = x + wo(attention(...))
     att, c_att = c.att, c.attention
     if att is None:                                                      # lean: the forward again, P kept this once
-        att = np.empty((b * T, H * Dh), dtype=dout.dtype)
-        q, k, v1 = c_att.q, c_att.k, c_att.v1
-        with blas_threads(1):
-            c_att = attention_forward(q, k, v1, att.reshape(b, T, KVH, R, Dh).transpose(0, 2, 1, 3, 4),
-                                      block=c_att.block, keep_probs=True)
+        att, c_att = _attend(c_att.q, c_att.k, c_att.v1, s, block=c_att.block, keep_probs=True)
     datt = project_backward(dh, att, w.wo, xa_o, sink, "wo")             # (N, D) -> (N, H*Dh)
     dqkv = np.empty((b, T, Hn, Dh), dtype=dout.dtype)
     dq, dk = attention_backward(datt.reshape(b, T, KVH, R, Dh), att.reshape(b, T, KVH, R, Dh),
