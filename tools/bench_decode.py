@@ -66,7 +66,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))                      # npllama and tools/ from a checkout
 
 import npllama  # noqa: E402
-from npllama.engine import decode  # noqa: E402
 from npllama.engine.settings import blas_threads, get_blas_threads  # noqa: E402
 from npllama.generate import generate, generate_batch  # noqa: E402
 from npllama.io.llama2c import llama2c_layout  # noqa: E402
@@ -294,7 +293,7 @@ def decode_round(row: Row, torch_side, runc):
     start = time.perf_counter()
     ours = np.stack(generate_batch(row.model, list(row.prompt), n))
     row.add("npllama auto", B * n / (time.perf_counter() - start))
-    if B >= decode.MIN_THREADED_ROWS:          # the engine would use every core: also time it on one
+    if B > 1:          # a few rows' large products use every core (projections.CORES_MIN_WEIGHTS): also one
         with npllama_on_one_thread():
             start = time.perf_counter()
             generate_batch(row.model, list(row.prompt), n)

@@ -36,28 +36,20 @@ from .settings import blas_threads
 from .cache import DecodeCache
 from .fused import row_dot
 from .passes import forward
-from .projections import FEW_ROWS, Activations, InPlaceProjections, RowHalves, StackedProjections
+from .projections import Activations, InPlaceProjections, RowHalves, StackedProjections
 from .upcast import has_half
 from ..errors import NpllamaError
 
-# A step's matmuls, at one row per prompt or on a small model, are small or bandwidth-bound: a second OpenBLAS thread
-# costs more in hand-off than it saves, and on a busy machine its spin-waiting is ruinous (measured
-# on 2 cores under load: 431 vs 98 tok/s for an 8M model at batch 1; 110M matvecs 0.6-5 GB/s on
-# two threads against 17-30 on one). Set for each step and restored after it, so a paused
-# generator leaves the process as it found it. (A one-row product through a large matrix runs its
-# gemv on the process's BLAS threads, as many as there were when the step was made:
-# projections.CORES_MIN_WEIGHTS; in a process set to one BLAS thread its rows go in halves.)
+# A step's small matmuls (the attention's, a small model's products) cost more in a second
+# OpenBLAS thread's hand-off than they save, and on a busy machine its spin-waiting is ruinous
+# (measured on 2 cores under load: 431 vs 98 tok/s for an 8M model at batch 1; 110M matvecs
+# 0.6-5 GB/s on two threads against 17-30 on one). So a step runs on one BLAS thread, set for
+# each step and restored after it, so a paused generator leaves the process as it found it.
+# Its large products (projections.CORES_MIN_WEIGHTS multiply-adds and more) run on the process's
+# BLAS threads, as many as there were when the step was made; in a process set to one BLAS
+# thread (npllama.engine.blas_threads(1), the advice for a busy machine) their rows go in halves
+# on the decoder's helper thread instead (projections.RowHalves), which sleeps while it waits.
 DECODE_BLAS_THREADS = 1
-
-# A step of up to projections.FEW_ROWS rows runs its GEMMs through OpenBLAS's small-matrix
-# kernels (projections.few_rows_gemm), which use one thread and beat its threaded GEMM even with
-# both cores free (110M, 8 rows: 157 tok/s against 104 for one GEMM on one thread and 10-170 on two,
-# by the load); the large ones' rows are split between the caller and one helper thread
-# (projections.RowHalves: 110M, 8 rows, 124 -> 137 tok/s, load 1.3). Larger batches on large
-# models are compute-bound GEMMs that keep the process's BLAS threads; on a busy machine, where
-# OpenBLAS's threads wait for each other at every matmul, run generation inside
-# npllama.engine.blas_threads(1), whose setting these steps then keep.
-MIN_THREADED_ROWS = FEW_ROWS + 1
 
 # Weights up to this many bytes are copied once per generation into the stacked, norm-folded
 # layout, which saves NumPy calls; larger ones are read in place, with no copy. Measured (float32,
@@ -118,8 +110,6 @@ class DecodeStep:
             self._normalize = self._normalize_row
         else:
             self.sum_squares = np.empty((B, 1), dtype)
-        threaded = layout == "in_place" and batch_size >= MIN_THREADED_ROWS
-        self.blas_threads = None if threaded else DECODE_BLAS_THREADS     # None: as the process has it
 
     def __call__(self, ids: np.ndarray, pos: int, kv_cache: DecodeCache,
                  key_bias: np.ndarray | None = None) -> np.ndarray:
@@ -129,7 +119,7 @@ class DecodeStep:
         key_bias, when given, broadcasts to (B, KVH, R, pos + 1): 0 where a key may be attended,
         -inf where not.
         """
-        with blas_threads(self.blas_threads), np.errstate(over="ignore"):   # exp(-a) -> inf gives silu 0, right
+        with blas_threads(DECODE_BLAS_THREADS), np.errstate(over="ignore"):   # exp(-a) -> inf gives silu 0, right
             return self._step(ids, pos, kv_cache, key_bias)
 
     def _step(self, ids, pos, kv_cache, key_bias):

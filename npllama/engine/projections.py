@@ -9,27 +9,31 @@ A Product is a list of pieces, each one NumPy call on a block of W's rows, made 
 then costs no Python beyond calling them. The pieces by the number of rows B:
 
     B = 1          W @ x: OpenBLAS's gemv on W read in place, or x @ W for a W stored (in, n)
-                   (rows_first), on all cores' BLAS threads when W is large (CORES_MIN_WEIGHTS)
-    B <= FEW_ROWS  W @ x.T a block of rows at a time, each small enough for OpenBLAS's small-matrix
-                   kernels (SMALL_GEMM_MNK), through transposed copies of x and out
-    more           one GEMM per matrix, on the process's BLAS threads
-    rows_first     x @ W for a W stored (in, n): one call, for tiny models (StackedProjections)
+                   (rows_first); so too each row of B <= ROW_BY_ROW rows on BLAS threads
+    B > 1          one GEMM per matrix, x @ W.T
+    rows_first     x @ W for a W stored (in, n): one call (or one a row, B <= ROW_BY_ROW), for
+                   small models (StackedProjections)
+
+each on all cores' BLAS threads when the product is large (B n in >= CORES_MIN_WEIGHTS) and the
+process allows them; otherwise on one BLAS thread, where 2 to FEW_ROWS rows go as W @ x.T a
+block of rows at a time, each small enough for OpenBLAS's small-matrix kernels (SMALL_GEMM_MNK),
+through transposed copies of x and out, shared with the helper thread (below)
 
 and a matrix held in float16 / bfloat16 (or float32 under float64 activations, in tests) is turned
 into the activations' dtype a block of rows at a time, in a buffer that stays in cache
 (HALF_BLOCK_ELEMENTS), and multiplied there: DRAM only sees the 2-byte weights.
 
-Two threads. With one row, a Product of at least CORES_MIN_WEIGHTS float weights runs its gemv
-on OpenBLAS's threads (as many as the process allows when the Product is made, at most one per
-core), and the rest of the step on one: every core streams the weights. OpenBLAS's threads spin
-while they wait, which costs dearly when another job holds a core (measured with one core busy:
-110M 17-19 tokens/s against 23 with the halves below; 15M 115-125 against 177-225). A process
-that runs with one BLAS thread (npllama.engine.blas_threads(1) around generation, the advice for
-a busy machine) gets the halves instead. With 2 to FEW_ROWS rows, or weights held in half
-precision (whose upcast is NumPy's, on one core), or one BLAS thread, a Product of at least
-SPLIT_MIN_WEIGHTS weights cuts W's rows in two halves, the second run by the decoder's helper
-thread (RowHalves), which sleeps between jobs, while the caller runs the first. Each half is its
-own NumPy calls, so the dot products and their sums are the same whichever thread runs them.
+Two threads. A Product of at least CORES_MIN_WEIGHTS multiply-adds (B n in) through float weights
+in x's dtype runs its gemv or GEMM on OpenBLAS's threads (as many as the process allows when the
+Product is made, at most one per core), and the rest of the step on one: every core streams the
+weights. OpenBLAS's threads spin while they wait, which costs dearly when another job holds a
+core (measured with one core busy: 110M 17-19 tokens/s against 23 with the halves below; 15M
+115-125 against 177-225). A process that runs with one BLAS thread (npllama.engine.blas_threads(1)
+around generation, the advice for a busy machine) gets the halves instead, as do weights held in
+half precision (whose upcast is NumPy's, on one core): a Product of at most FEW_ROWS rows through
+at least SPLIT_MIN_WEIGHTS weights cuts W's rows in two halves, the second run by the decoder's
+helper thread (RowHalves), which sleeps between jobs, while the caller runs the first. Each half
+is its own NumPy calls, so the dot products and their sums are the same whichever thread runs them.
 
 Two layouts of the weights (engine.decode.DecodeStep picks one by size):
 
@@ -77,19 +81,27 @@ _matvec = np.matmul
 # W cut into row blocks that small runs 1.5-1.9x faster than one GEMM (measured on one thread, 110M
 # shapes, 2-32 rows: 8 rows 40 against 25 GFLOP/s; one row past the bound falls back to 25).
 SMALL_GEMM_MNK = 10 ** 6
-# Up to this many rows of x, a GEMM through an (out, in) matrix goes in such blocks.
+# Up to this many rows of x, a GEMM through an (out, in) matrix on one BLAS thread goes in such blocks.
 FEW_ROWS = 32
 
 # A product of 2 to FEW_ROWS rows (or of one row through half-held weights) through at least this
 # many weights is cut in two halves of W's rows, the second on the helper thread (RowHalves). A
 # hand-off costs ~20 us; half of a 1 MB matrix read at ~10 GB/s saves ~50.
 SPLIT_MIN_WEIGHTS = 1 << 17
-# One row through at least this many float weights: OpenBLAS's gemv on all cores. Measured
-# (2 December 2026, cold matrices, per call): 2304 x 768 123 us on two threads against 487 on
-# one and 376 in RowHalves' halves; 4096 x 288 (in, out) 96 against 192; 768 x 768 59 against
-# 97; below, 1536 x 288 64 against 51 and 864 x 288 79 against 32: the threads' wake-up costs more.
-# Whole steps: 110M 43 tokens/s against 38 with the halves.
+# A product of at least this many multiply-adds (rows x weights) through float weights: OpenBLAS
+# on all cores. One row, measured (2 December 2026, cold matrices, per call): 2304 x 768 123 us on
+# two threads against 487 on one and 376 in RowHalves' halves; 4096 x 288 (in, out) 96 against
+# 192; 768 x 768 59 against 97; below, 1536 x 288 64 against 51 and 864 x 288 79 against 32: the
+# threads' wake-up costs more. Whole steps: 110M 43 tokens/s against 38 with the halves. A few
+# rows, measured on 2 December 2026 on another 2-core EPYC (whole steps, one GEMM on two threads
+# against the small-matrix blocks in halves): 8 rows 8M 2,957 tokens/s against 1,629, 15M 1,799
+# against 1,189, 110M 235 against 181; 32 rows 110M 432 against 310.
 CORES_MIN_WEIGHTS = 1 << 19
+# Up to this many rows, a product on BLAS threads or through a matrix stored (in, n) is one gemv a
+# row: OpenBLAS's GEMM with M = 2 reads W slower than two gemv calls read it twice (measured on 2
+# December 2026, 2 rows, whole steps: 8M 1,458 tokens/s against 753 before, 15M 667 against 317,
+# 110M 107 against 56; per call, 110M's 768 x 2048 208 us against 375).
+ROW_BY_ROW = 2
 
 
 class RowHalves:
@@ -164,12 +176,16 @@ class Product:
         self.pre, self.post, self.halves, self.cores = list(pre), list(post), None, None
         n = ws[0].shape[1] if rows_first else sum(w.shape[0] for w in ws)
         threads = min(get_blas_threads() or 1, available_cores())
-        if B == 1 and n * n_in >= CORES_MIN_WEIGHTS and threads >= 2 and all(w.dtype == x.dtype for w in ws):
+        if B * n * n_in >= CORES_MIN_WEIGHTS and threads >= 2 and all(w.dtype == x.dtype for w in ws):
             self.cores = blas_threads(threads)                        # the step runs on one BLAS thread
+        self.row_by_row = B <= ROW_BY_ROW and (rows_first or self.cores is not None)
         if rows_first:                                              # x, out contiguous (Activations)
-            self.ours = [partial(np.dot, x, ws[0], out=out)]         # np.dot: ~1 us a call less than np.matmul
+            # np.dot: ~1 us a call less than np.matmul; on BLAS threads a row at a time (see ROW_BY_ROW)
+            self.ours = ([partial(np.dot, x[b], ws[0], out=out[b]) for b in range(B)] if self.row_by_row
+                         else [partial(np.dot, x, ws[0], out=out)])
             return
-        if FEW_ROWS >= B > 1:                       # blocks of W @ x.T through transposed copies
+        self.blocks = FEW_ROWS >= B > 1 and self.cores is None
+        if self.blocks:                             # blocks of W @ x.T through transposed copies
             self.xt, self.out_t = np.empty((n_in, B), x.dtype), np.empty((n, B), x.dtype)
             self.pre.append(partial(np.copyto, self.xt, x.T))
             self.post.insert(0, partial(np.copyto, out, self.out_t.T))
@@ -224,9 +240,9 @@ class Product:
         """Pieces for out[:, start:start + len(w)] = x @ w.T, w in x's dtype."""
         x, out = self.x, self.out
         B, rows = x.shape[0], w.shape[0]
-        if B == 1:
-            return [partial(_matvec, w, x[0], out=out[0, start:start + rows])]
-        if B > FEW_ROWS:
+        if B == 1 or self.row_by_row:
+            return [partial(_matvec, w, x[b], out=out[b, start:start + rows]) for b in range(B)]
+        if not self.blocks:
             return [partial(np.matmul, x, w.T, out=out[:, start:start + rows])]
         step = max(1, SMALL_GEMM_MNK // (w.shape[1] * B))
         return [partial(np.matmul, w[r0:r0 + step], self.xt, out=self.out_t[start + r0:start + min(rows, r0 + step)])
@@ -285,8 +301,9 @@ class StackedProjections:
         # 1.4x on an 8M model; with 4+ rows the latter wins by up to 1.4x. With one row x @ W
         # wins too (2 December 2026, 8M: 340-350 tokens/s against 240; per call 1.3-1.7x on
         # dim 288's wide matrices, level on the down projection). Storing (in, out) costs a
-        # transposing copy of every matrix at setup, so it is done only where it pays.
-        rows_first = B <= 2
+        # transposing copy of every matrix at setup, so it is done only where it pays. (Two rows
+        # now go one x[b] @ W a row, ROW_BY_ROW: 8M 1,458 tokens/s against 753 as one call.)
+        rows_first = B <= ROW_BY_ROW
         dtype = acts.xn.dtype
 
         def product(w, x, out):

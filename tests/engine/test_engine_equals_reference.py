@@ -315,12 +315,14 @@ def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused
 
 
 @pytest.mark.parametrize("rows, held, blas", [(1, "float64", 2), (1, "float64", 1), (1, "float32", 2),
-                                              (5, "float64", 2), (40, "float64", 2)])
+                                              (2, "float64", 2), (2, "float64", 1), (5, "float64", 2),
+                                              (5, "float64", 1), (5, "float32", 2), (40, "float64", 2),
+                                              (40, "float64", 1)])
 def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_their_thread(monkeypatch, rows, held,
                                                                                           blas):
-    """One row: a gemv on two BLAS threads, or, when the process runs one BLAS thread or the weights
-    are held in another dtype (upcast a block at a time), halves on two threads; small GEMMs in
-    halves; one GEMM."""
+    """On two BLAS threads: a gemv a row (up to ROW_BY_ROW rows), or one GEMM. When the process runs
+    one BLAS thread or the weights are held in another dtype (upcast a block at a time): up to
+    FEW_ROWS rows in halves on two threads (small GEMMs, or a gemv for one row); one GEMM above."""
     monkeypatch.setattr(projections, "SPLIT_MIN_WEIGHTS", 0)
     monkeypatch.setattr(projections, "CORES_MIN_WEIGHTS", 0)
     monkeypatch.setattr(projections, "available_cores", lambda: 2)
@@ -332,9 +334,12 @@ def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_the
     out = np.empty((rows, 307))
     buffers = (None, None) if held == "float64" else projections.half_buffers({"w": ws[0]}, x.dtype, 40)
     product = projections.Product(ws, x, out, halves, buffers=buffers)
-    on_blas_threads = rows == 1 and held == "float64" and blas == 2
+    on_blas_threads = held == "float64" and blas == 2
     assert (product.cores is not None) == on_blas_threads
     assert (product.halves is halves) == (rows <= projections.FEW_ROWS and not on_blas_threads)
+    assert product.row_by_row == (on_blas_threads and rows <= projections.ROW_BY_ROW)
+    if on_blas_threads:                                      # a gemv a row of each matrix, or a GEMM each
+        assert len(product.ours) == len(ws) * (rows if rows <= projections.ROW_BY_ROW else 1)
     product()
     assert rel_error(out, x @ np.concatenate(ws).astype(np.float64).T) < TOL
     first = out.copy()
