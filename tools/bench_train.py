@@ -20,9 +20,11 @@ PyTorch's (tools/torch_llama.py, scaled_dot_product_attention) does the same wit
 torch.optim.AdamW in two parameter groups and clip_grad_norm_, from the same initial weights and
 on the same batch.
 
-Speed: the sides take turns round by round (the order alternating), all in this process but
-`npllama train` (a worker process stepping when told), so whatever else runs on the machine slows
-all alike. Each turn runs one untimed step (the switch
+Speed: the sides take turns round by round (the order alternating), PyTorch in this process and
+each npllama side in a worker process of its own (stepping when told), so whatever else runs on the
+machine slows all alike, and neither side's allocations shape the other's heap. (The library loop
+once ran in this process, beside PyTorch's steps: there it measured 700 ms a step on cfg c and
+3.6 s on k, against 570 ms and 3.1-3.5 s alone, where it is level with `npllama train`'s step.) Each turn runs one untimed step (the switch
 from the other side is paid there: waking thread pools, refilling caches), then times a few.
 npllama runs with its defaults, PyTorch with 1 and 2 threads (its faster one counts): the
 median over rounds of the time per step, as tokens/s. The roofline line holds each side's
@@ -125,17 +127,20 @@ def torch_step(tm, tokens, targets, threads=None):
 
 # ---- speed: interleaved rounds -------------------------------------------------------------------------
 
-class TrainCommandWorker:
-    """The `npllama train` side in a process of its own (module docstring): each call runs one step there."""
+class StepWorker:
+    """An npllama side ("npllama" or "npllama train") in a process of its own (module docstring):
+    each call runs one step there."""
 
-    def __init__(self, name, quick):
-        self.proc = subprocess.Popen([sys.executable, __file__, "--train-worker", name, *(["--quick"] if quick else [])],
+    def __init__(self, side, name, quick):
+        self.side = side
+        self.proc = subprocess.Popen([sys.executable, __file__, "--step-worker", side, name,
+                                      *(["--quick"] if quick else [])],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._expect("ready")
 
     def _expect(self, word):
         if self.proc.stdout.readline().strip() != word:
-            raise RuntimeError(f"the npllama train worker stopped ({self.proc.wait()}); see its error above")
+            raise RuntimeError(f"the {self.side} worker stopped ({self.proc.wait()}); see its error above")
 
     def __call__(self):
         self.proc.stdin.write("step\n")
@@ -147,12 +152,14 @@ class TrainCommandWorker:
         self.proc.wait()
 
 
-def train_worker(name, quick):
-    """Runs in its own process: `npllama train`'s step, inside freed_memory_kept, once per line read."""
+def step_worker(side, name, quick):
+    """Runs in its own process: one step of the side per line read (`npllama train`'s inside
+    freed_memory_kept, as a run holds it; the library loop's as a user's script runs it)."""
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
-    with freed_memory_kept():
-        step = train_command_step(npllama.Llama(cfg, seed=0), *batch(cfg, B, T))
+    train = side == "npllama train"
+    with freed_memory_kept() if train else nullcontext():
+        step = (train_command_step if train else library_step)(npllama.Llama(cfg, seed=0), *batch(cfg, B, T))
         print("ready", flush=True)
         for _ in sys.stdin:
             step()
@@ -164,11 +171,11 @@ def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2):
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     tokens, targets = batch(cfg, B, T)
-    model = npllama.Llama(cfg, seed=0)
-    worker = TrainCommandWorker(name, quick)
-    steps = {"npllama": library_step(model, tokens, targets), "npllama train": worker}
+    workers = [StepWorker(side, name, quick) for side in ("npllama", "npllama train")]
+    steps = {worker.side: worker for worker in workers}
     if use_torch:
         from tools.torch_llama import TorchLlama
+        model = npllama.Llama(cfg, seed=0)          # the workers' initial weights
         for threads in PEER_THREADS:
             steps[f"torch {threads_label(threads)}"] = torch_step(
                 TorchLlama.from_params(cfg, model.params), tokens, targets, threads)
@@ -180,7 +187,8 @@ def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2):
             per_turn[setting] = calls_per_turn(step, turn_seconds)
         return take_turns(steps, rounds, per_turn, switch=True)
     finally:
-        worker.close()
+        for worker in workers:
+            worker.close()
 
 
 # ---- memory: one side alone in a fresh process ---------------------------------------------------------
@@ -275,10 +283,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-memory", action="store_true", help="speed only")
     ap.add_argument("--no-torch", action="store_true", help="npllama only")
     ap.add_argument("--memory-probe", nargs=2, metavar=("SIDE", "CFG"), help=argparse.SUPPRESS)
-    ap.add_argument("--train-worker", metavar="CFG", help=argparse.SUPPRESS)
+    ap.add_argument("--step-worker", nargs=2, metavar=("SIDE", "CFG"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.train_worker:
-        train_worker(args.train_worker, args.quick)
+    if args.step_worker:
+        step_worker(*args.step_worker, args.quick)
         return 0
     if args.memory_probe:
         memory_probe(*args.memory_probe, args.quick)
