@@ -9,7 +9,7 @@ RoPE tables (cos, sin):
     backend.decoder(params, config, rope, batch_size)                                     -> a Decoder
 
 and allocates what those read: new_params(config, dtype) (the arrays a new model is drawn
-into), lay_out(params, config) (given arrays kept as it keeps them) and
+into), lay_out(params, config, dtype) (given arrays kept as it keeps them) and
 new_kv_cache(config, batch_size, dtype). lora, when given, is a LoraAdapters: the
 adapters are what trains, params are frozen (npllama/lora.py).
 
@@ -33,7 +33,7 @@ from .errors import NpllamaError
 from .kvcache import KVCache
 from .lora import LoraSpec
 from .optim import AdamW
-from .storage import is_half, storage_name_of, to_float
+from .storage import is_half, storage_name_of, to_float, to_storage
 
 
 class LoraAdapters(NamedTuple):
@@ -112,10 +112,12 @@ class ReferenceBackend:
         """Uninitialised arrays of every parameter, each its own array."""
         return {name: np.empty(shape, dtype=dtype) for name, shape in config.param_shapes().items()}
 
-    def lay_out(self, params: dict, config: LlamaConfig) -> dict:
-        """params as this backend keeps a model's arrays: the reference takes them as they are (a
-        backend that copies them drops each from `params` once copied)."""
-        return params
+    def lay_out(self, params: dict, config: LlamaConfig, dtype) -> dict:
+        """params (held in any storage dtype) as this backend keeps a model's arrays in dtype, each
+        dropped from `params` once converted: the reference keeps each array as its own, converted
+        when its dtype differs (a backend with a layout of its own converts each straight into it)."""
+        storage = np.dtype(dtype).name
+        return {name: np.ascontiguousarray(to_storage(params.pop(name), storage)) for name in list(params)}
 
     def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype) -> KVCache:
         return KVCache(config.n_layers, batch_size, config.n_kv_heads, config.max_seq_len, config.head_dim, dtype)

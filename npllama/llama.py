@@ -126,18 +126,23 @@ class Llama:
         copies = sum(memory.array_bytes(np.size(params[n]), nbytes_per_element(storage)) for n in expected
                      if not (isinstance(params[n], np.ndarray) and storage_name_of(params[n]) == storage))
         # arrays in memory are laid out as the backend's new ones (the engine's one flat array, which
-        # its training pass needs); mapped or half-held ones stay where they are
+        # its training pass needs), each converted straight into it; mapped or half-held ones stay
+        # where they are
         relayout = not is_half(storage) and not any(is_mapped(params[n]) for n in expected)
-        if relayout and backend.name == "engine":      # the flat array; handed over, one array at a time
-            copies += memory.array_bytes(max(map(np.size, params.values())) if adopt else config.n_params(),
-                                         compute.itemsize)
+        if relayout and backend.name == "engine":      # the flat array, the one copy whatever the dtypes
+            copies = memory.array_bytes(config.n_params(), compute.itemsize)
+            if adopt:       # handed over: each array freed once copied, the one being copied alive beside it
+                sources = sum(getattr(params[n], "nbytes", 0) for n in expected)
+                copies = max(0, copies - sources) + memory.array_bytes(max(map(np.size, params.values())),
+                                                                       compute.itemsize)
         memory.require(copies + memory.rope_bytes(config, compute.itemsize),
                        f"a model held in {storage} with max_seq_len={config.max_seq_len}",
                        "a smaller max_seq_len (npllama.load(..., max_seq_len=N)), or weights held in float16")
         take = params.pop if adopt else params.__getitem__
-        held = {n: np.ascontiguousarray(to_storage(np.asarray(take(n)), storage)) for n in expected}
-        if relayout:
-            held = backend.lay_out(held, config)           # empties `held`: each array goes once copied
+        if relayout:                                       # each array dropped once copied into the layout
+            held = backend.lay_out({n: np.asarray(take(n)) for n in expected}, config, compute)
+        else:
+            held = {n: np.ascontiguousarray(to_storage(np.asarray(take(n)), storage)) for n in expected}
         model = cls.__new__(cls)
         model._setup(config, held, compute, backend)
         return model

@@ -95,6 +95,17 @@ def to_storage(arr: np.ndarray, storage: str) -> np.ndarray:
         return arr.astype(storage, copy=False)
 
 
+def copy_into(out: np.ndarray, arr: np.ndarray) -> None:
+    """out[...] = a held weight (any storage dtype) as out's float dtype: cast element by element
+    straight into out, so no whole converted copy is made (bfloat16 bits go through one: shifted in place)."""
+    if arr.dtype == BFLOAT16_BITS:
+        wide = arr.astype(np.uint32)
+        wide <<= 16                         # bfloat16_to_float32, with one temporary instead of two
+        arr = wide.view(np.float32)
+    with np.errstate(over="ignore"):        # overflow is reported by all_finite, naming the tensor
+        np.copyto(out, arr, casting="same_kind")
+
+
 def conversion_scratch_bytes(n_elements: int) -> int:
     """Temporaries of turning an array of n_elements into another storage dtype: float32_to_bfloat16
     works a chunk at a time with up to six uint32 / float32 arrays of a chunk alive at once."""

@@ -7,6 +7,7 @@ compute in float32, save and load back, and refuse training with a clear message
 """
 
 import hashlib
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -207,3 +208,35 @@ def test_a_verified_converting_load_holds_the_converted_weights_not_the_file_s_p
                           check=True)
     found = json.loads(done.stdout)
     assert found["rise"] < 1.5 * found["held"], found
+
+
+@pytest.mark.parametrize("backend", ["engine", "reference"])
+@pytest.mark.parametrize("source", ["float16", "bfloat16", "float64"])
+def test_arrays_of_another_dtype_are_converted_straight_into_the_model_s_layout(backend, source):
+    """from_params(..., dtype=float32) of arrays held otherwise: each converted on its own (the engine:
+    straight into its one flat array, no whole converted copy beside it), the same values as a
+    conversion of each, and a handed-over dict emptied."""
+    model = npllama.Llama(npllama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                                              max_seq_len=16), seed=0)          # 0.6 MB in float32
+    as_held = {"float16": lambda a: a.astype(np.float16), "float64": lambda a: a.astype(np.float64),
+               "bfloat16": float32_to_bfloat16}[source]
+    params = {n: as_held(a) for n, a in model.params.items()}
+    expected = {n: to_float(a, np.float32) for n, a in params.items()}
+    tracemalloc.start()                  # NumPy reports its arrays' memory to tracemalloc
+    try:
+        held = npllama.Llama.from_params(model.config, params, dtype=np.float32, backend=backend, adopt=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not params                                            # handed over, every array taken
+    float32_bytes = sum(a.nbytes for a in expected.values())
+    largest = max(a.nbytes for a in expected.values())
+    # never two float32 copies at once: the model's arrays, and at most the one tensor in hand (bfloat16
+    # bits are converted one tensor at a time), and a few KB of tables (RoPE's)
+    assert peak <= float32_bytes + largest + (64 << 10)
+    assert all(held.params[n].dtype == np.float32 and np.array_equal(held.params[n], expected[n]) for n in expected)
+    arrays = list(held.params.values())
+    one_flat = all(a.base is not None for a in arrays) and len({id(a.base) for a in arrays}) == 1
+    assert one_flat == (backend == "engine")
+    again = npllama.Llama.from_params(model.config, expected, backend=backend)
+    assert np.array_equal(held.forward(TOKENS), again.forward(TOKENS))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import LlamaConfig
+from ..storage import copy_into
 from .adamw import FusedAdamW
 from .cache import DecodeCache
 from .decode import EngineDecoder, choose_layout
@@ -34,16 +35,18 @@ class EngineBackend:
         """Uninitialised parameters as views of one new flat array (layout.FlatLayout order)."""
         return flat_params(config, dtype)
 
-    def lay_out(self, params: dict, config: LlamaConfig) -> dict:
-        """params as views of one flat array: themselves when they are already, else copied into a
-        new one, each array dropped from `params` once copied (so, when nothing else holds them,
-        a model's two copies never coexist whole)."""
+    def lay_out(self, params: dict, config: LlamaConfig, dtype) -> dict:
+        """params (held in any storage dtype) as views of one flat array of dtype: themselves when
+        they are already, else each converted straight into a new one (storage.copy_into) and
+        dropped from `params` once copied (so, when nothing else holds them, a model's two copies
+        never coexist whole, nor does a whole converted copy beside them)."""
         layout = FlatLayout(config)
-        if layout.base_of(params) is not None:
+        base = layout.base_of(params)
+        if base is not None and base.dtype == dtype:
             return params
-        flat = layout.views(layout.new(params["tok_embeddings.weight"].dtype))
+        flat = layout.views(layout.new(dtype))
         for name, view in flat.items():
-            view[...] = params.pop(name)
+            copy_into(view, params.pop(name))
         return flat
 
     def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype) -> DecodeCache:
