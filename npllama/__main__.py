@@ -16,7 +16,9 @@ traceback:
     once it has returned the process ends at once with that code, quietly: the outcome is decided
 
 What no code of npllama can cover: the interpreter's own start-up (its `site` imports, ~0.1 s)
-before this file's first line; a Ctrl-C then prints Python's own KeyboardInterrupt.
+before this file's first line, where a Ctrl-C prints Python's own KeyboardInterrupt; and its
+shut-down after main has returned, where Python puts the default handlers back, so a signal ends
+the process by itself: quietly too, with the outcome reported (a shell sees 128 + the signal).
 """
 
 import sys

@@ -11,8 +11,8 @@ Decode. Each side decodes the same 8-token prompts greedily (batch 1 and 8 by de
 prefill then one token a step, 256 new tokens (fewer where max_seq_len ends sooner), timing
 prefill plus decode: npllama through npllama.generate.generate_batch, as `npllama generate` and
 Llama.generate run it, with the engine's own thread choices ("auto": every BLAS thread for the
-GEMMs of a batch on a large model and of a long prompt, one elsewhere) and, where those use more
-than one core, also everything on one thread (1T), the better counted; PyTorch eager
+large products of a step and the GEMMs of a long prompt, one elsewhere) and, for batches of
+several rows, also everything on one BLAS thread (1T), the better counted; PyTorch eager
 (tools/torch_llama.py: Meta's model.py layout, preallocated KV cache,
 F.scaled_dot_product_attention, torch.inference_mode) on the same float32 weights, with 1 and
 with 2 threads, the better counted, in a subprocess of its own (torch's OpenMP threads spin
