@@ -113,9 +113,13 @@ class Llama:
         unexpected = [n for n in params if n not in expected]
         misshapen = [f"{n}: {tuple(np.shape(params[n]))} != expected {expected[n]}"
                      for n in expected if n in params and tuple(np.shape(params[n])) != expected[n]]
-        if missing or unexpected or misshapen:
+        not_real = [f"{n}: {_dtype_of(params[n])}" for n in expected if n in params
+                    and not np.issubdtype(_dtype_of(params[n]), np.floating)
+                    and not np.issubdtype(_dtype_of(params[n]), np.integer)]
+        if missing or unexpected or misshapen or not_real:
             parts = [f"{what} {names}" for what, names in
-                     (("missing", missing), ("unexpected", unexpected), ("wrong shapes", misshapen)) if names]
+                     (("missing", missing), ("unexpected", unexpected), ("wrong shapes", misshapen),
+                      ("not real numbers", not_real)) if names]
             raise NpllamaError("parameters do not fit the config: " + "; ".join(parts))
         if dtype is None:
             own = storage_name_of(np.asarray(params["tok_embeddings.weight"]))
@@ -379,3 +383,8 @@ class LoraLlama:
     def __repr__(self):
         return (f"LoraLlama(rank={self.spec.rank}, alpha={self.spec.alpha}, targets={','.join(self.spec.targets)}, "
                 f"adapters={self.n_params():,}, base={self.base!r})")
+
+
+def _dtype_of(value) -> np.dtype:
+    """The dtype an array-like parameter has (or would have as an array)."""
+    return value.dtype if isinstance(value, np.ndarray) else np.asarray(value).dtype

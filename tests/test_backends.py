@@ -13,7 +13,7 @@ import io
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import npllama
 from npllama import lora
@@ -29,6 +29,12 @@ from .engine.test_engine_equals_reference import configs
 
 TOL = 1e-10
 STEPS = 20
+# Two trajectories of STEPS AdamW steps: the backends' rounding differences (1e-16 in a step's
+# loss) grow as the steps go, since AdamW divides each gradient entry by its own running RMS and
+# so magnifies the relative differences of the small ones. Measured: up to 2.6e-10 in the losses
+# of steps 7-9 (dim 24, 3 layers, vocab 2, seed 6384, below), 1e-16 to 8e-14 in steps 0-4. One
+# pass (a loss and its gradients, a forward, a decode step) is compared at TOL.
+TRAJECTORY_TOL = 1e-9
 
 
 def pair(cfg, seed):
@@ -67,11 +73,12 @@ def assert_same_training(ref, eng, ref_losses, eng_losses):
     equal, so the scores do not matter and dq = dk = 0, all it holds after 20 steps is each
     backend's rounding noise, 1e-15 to 1e-13, amplified by AdamW and differently summed, which no
     relative error of its own can compare.)"""
-    assert all(abs(a - b) <= TOL * abs(a) for a, b in zip(ref_losses, eng_losses)), (ref_losses, eng_losses)
+    assert abs(ref_losses[0] - eng_losses[0]) <= TOL * abs(ref_losses[0])              # the same first pass
+    assert all(abs(a - b) <= TRAJECTORY_TOL * abs(a) for a, b in zip(ref_losses, eng_losses)), (ref_losses, eng_losses)
     assert list(ref.params) == list(eng.params)
     scale = float(np.sqrt(sum(np.sum(np.square(p)) for p in ref.params.values())))
     for name in ref.params:
-        assert rel_error(eng.params[name], ref.params[name], floor=scale) < TOL, name
+        assert rel_error(eng.params[name], ref.params[name], floor=scale) < TRAJECTORY_TOL, name
 
 
 def test_each_backend_has_its_own_optimizer_and_both_step_alike():
@@ -85,6 +92,8 @@ def test_each_backend_has_its_own_optimizer_and_both_step_alike():
 
 @settings(max_examples=8)
 @given(configs(), st.booleans(), st.integers(0, 10_000))
+@example(npllama.LlamaConfig(dim=24, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=2, hidden_dim=12,
+                             multiple_of=32, max_seq_len=12), False, 6384)
 def test_twenty_training_steps_are_the_same_on_both_backends(cfg, checkpointing, seed):
     ref, eng = pair(cfg, seed)
     for m in (ref, eng):

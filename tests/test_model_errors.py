@@ -81,6 +81,15 @@ def test_bad_dtype_and_from_params(model):
     assert "norm.weight" in str(e.value) and "extra.weight" in str(e.value) and "output.weight: (3, 3)" in str(e.value)
 
 
+@pytest.mark.parametrize("dtype", [np.complex64, object, np.str_, np.bool_])
+def test_from_params_refuses_weights_that_are_not_real_numbers_naming_them(model, dtype):
+    """(A complex array used to lose its imaginary part with only a NumPy warning.)"""
+    params = dict(model.params)
+    params["norm.weight"] = params["norm.weight"].astype(dtype)
+    with pytest.raises(ValueError, match=r"not real numbers \['norm.weight: "):
+        npllama.Llama.from_params(model.config, params)
+
+
 def test_start_pos_checks(model):
     with pytest.raises(ValueError, match="needs a kv_cache"):
         model.forward([[1]], start_pos=2)
