@@ -23,9 +23,10 @@ on the same batch.
 Speed: the sides take turns round by round (the order alternating), PyTorch in this process and
 each npllama side in a worker process of its own (stepping when told), so whatever else runs on the
 machine slows all alike, and neither side's allocations shape the other's heap. (The library loop
-once ran in this process, beside PyTorch's steps: there it measured 700 ms a step on cfg c and
-3.6 s on k, against 570 ms and 3.1-3.5 s alone, where it is level with `npllama train`'s step.) Each turn runs one untimed step (the switch
-from the other side is paid there: waking thread pools, refilling caches), then times a few.
+once ran in this process, beside PyTorch's steps: there it measured 700 ms a step on cfg c,
+against 535-673 alone, level with `npllama train`'s step at 551-628.) Each turn runs one untimed
+step (the switch from the other side is paid there: waking thread pools, refilling caches), then
+times a few.
 npllama runs with its defaults, PyTorch with 1 and 2 threads (its faster one counts): the
 median over rounds of the time per step, as tokens/s. The roofline line holds each side's
 matmul FLOP/s (benchkit.training_flops: the model's, no recomputation) against NumPy's GEMM
@@ -171,16 +172,17 @@ def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2):
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     tokens, targets = batch(cfg, B, T)
-    workers = [StepWorker(side, name, quick) for side in ("npllama", "npllama train")]
-    steps = {worker.side: worker for worker in workers}
-    if use_torch:
-        from tools.torch_llama import TorchLlama
-        model = npllama.Llama(cfg, seed=0)          # the workers' initial weights
-        for threads in PEER_THREADS:
-            steps[f"torch {threads_label(threads)}"] = torch_step(
-                TorchLlama.from_params(cfg, model.params), tokens, targets, threads)
-    per_turn = {}
+    workers, per_turn = [], {}
     try:
+        for side in ("npllama", "npllama train"):
+            workers.append(StepWorker(side, name, quick))
+        steps = {worker.side: worker for worker in workers}
+        if use_torch:
+            from tools.torch_llama import TorchLlama
+            model = npllama.Llama(cfg, seed=0)      # the workers' initial weights
+            for threads in PEER_THREADS:
+                steps[f"torch {threads_label(threads)}"] = torch_step(
+                    TorchLlama.from_params(cfg, model.params), tokens, targets, threads)
         for setting, step in steps.items():     # warm up (PyTorch sets itself up lazily), then size the turns
             for _ in range(warmup):
                 step()
