@@ -113,9 +113,9 @@ class Llama:
         unexpected = [n for n in params if n not in expected]
         misshapen = [f"{n}: {tuple(np.shape(params[n]))} != expected {expected[n]}"
                      for n in expected if n in params and tuple(np.shape(params[n])) != expected[n]]
-        not_real = [f"{n}: {_dtype_of(params[n])}" for n in expected if n in params
-                    and not np.issubdtype(_dtype_of(params[n]), np.floating)
-                    and not np.issubdtype(_dtype_of(params[n]), np.integer)]
+        dtypes = {n: _dtype_of(params[n]) for n in expected if n in params}
+        not_real = [f"{n}: {d}" for n, d in dtypes.items()
+                    if not (np.issubdtype(d, np.floating) or np.issubdtype(d, np.integer))]
         if missing or unexpected or misshapen or not_real:
             parts = [f"{what} {names}" for what, names in
                      (("missing", missing), ("unexpected", unexpected), ("wrong shapes", misshapen),
