@@ -127,10 +127,11 @@ class DecodeStep:
         x = acts.x
         self.projections.embed(ids, x)                                      # (B,) -> (B, D), the residual
         rotation = self.rotations[pos]                                      # (Dh/2,) complex
+        keys_transposed = kv_cache.keys_transposed
         for (qkv, o, gate_up, down), k_cache, v_cache in zip(self.projections.layers, kv_cache.k, kv_cache.v):
             norm(x)
             qkv()                                                           # xn -> qkv
-            self._attend(rotation, pos, k_cache, v_cache, key_bias)         # qkv -> att
+            self._attend(rotation, pos, k_cache, v_cache, key_bias, keys_transposed)   # qkv -> att
             o()                                                             # att -> res
             x += acts.res
             norm(x)
@@ -160,14 +161,18 @@ class DecodeStep:
         self.norm[()] = math.sqrt(x.dot(x) + self.d_eps)
         np.divide(x, self.norm, out=self.xn_row)
 
-    def _attend(self, rotation, pos, k_cache, v_cache, key_bias):
+    def _attend(self, rotation, pos, k_cache, v_cache, key_bias, keys_transposed):
         """Attention of this position's q over keys and values 0 .. pos, after writing its k and v.
 
         acts.qkv (B, (H + 2 KVH) Dh), q already scaled by 1/sqrt(Dh) -> acts.att (B, H Dh)."""
         np.multiply(self.qk, rotation, out=self.qk)                         # RoPE on q and k at once
-        k_cache[:, :, :, pos] = self.k                                      # (B, KVH, Dh)
         v_cache[:, :, pos, :-1] = self.v
-        scores = np.matmul(self.q, k_cache[..., :pos + 1])                  # (B, KVH, R, S)
+        if keys_transposed:                                                 # (B, KVH, Dh, max_seq_len)
+            k_cache[:, :, :, pos] = self.k                                  # (B, KVH, Dh)
+            scores = np.matmul(self.q, k_cache[..., :pos + 1])              # (B, KVH, R, S)
+        else:                                                               # (B, KVH, max_seq_len, Dh)
+            k_cache[:, :, pos] = self.k
+            scores = np.matmul(self.q, k_cache[:, :, :pos + 1].swapaxes(-1, -2))
         if key_bias is not None:
             scores += key_bias
         scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)

@@ -10,7 +10,8 @@ then costs no Python beyond calling them. The pieces by the number of rows B:
 
     B = 1          W @ x: OpenBLAS's gemv on W read in place, or x @ W for a W stored (in, n)
                    (rows_first); so too each row of B <= ROW_BY_ROW rows on BLAS threads
-    B > 1          one GEMM per matrix, x @ W.T
+    B > 1          one GEMM per matrix: W @ x.T through transposed copies of x and out for up to
+                   FEW_ROWS rows (OpenBLAS then splits W's rows between its threads), x @ W.T above
     rows_first     x @ W for a W stored (in, n): one call (or one a row, B <= ROW_BY_ROW), for
                    small models (StackedProjections)
 
@@ -95,7 +96,12 @@ SPLIT_MIN_WEIGHTS = 1 << 17
 # threads' wake-up costs more. Whole steps: 110M 43 tokens/s against 38 with the halves. A few
 # rows, measured on 2 December 2026 on another 2-core EPYC (whole steps, one GEMM on two threads
 # against the small-matrix blocks in halves): 8 rows 8M 2,957 tokens/s against 1,629, 15M 1,799
-# against 1,189, 110M 235 against 181; 32 rows 110M 432 against 310.
+# against 1,189, 110M 235 against 181; 32 rows 110M 432 against 310. That GEMM is W @ x.T for
+# 3 to FEW_ROWS rows: measured on 5 December 2026 on a 2-core Xeon (two threads, weights in L3,
+# per call), 8 rows 864 x 288 44 us against 92 as x @ W.T, 768 x 2048 288 against 525, 32000 x 288
+# 2,038 against 2,730, faster at 3 to 32 rows on every shape of 8M, 15M and 110M but two small
+# ones at 3 and 4 rows; whole steps at 8 rows 8M 2,157 tokens/s against 1,466, 15M 920 against
+# 724, 110M 128 against 106.
 CORES_MIN_WEIGHTS = 1 << 19
 # Up to this many rows, a product on BLAS threads or through a matrix stored (in, n) is one gemv a
 # row: OpenBLAS's GEMM with M = 2 reads W slower than two gemv calls read it twice (measured on 2
@@ -185,7 +191,8 @@ class Product:
                          else [partial(np.dot, x, ws[0], out=out)])
             return
         self.blocks = FEW_ROWS >= B > 1 and self.cores is None
-        if self.blocks:                             # blocks of W @ x.T through transposed copies
+        self.transposed = self.blocks or (self.cores is not None and FEW_ROWS >= B > ROW_BY_ROW)
+        if self.transposed:                         # W @ x.T (in blocks, or one GEMM) through transposed copies
             self.xt, self.out_t = np.empty((n_in, B), x.dtype), np.empty((n, B), x.dtype)
             self.pre.append(partial(np.copyto, self.xt, x.T))
             self.post.insert(0, partial(np.copyto, out, self.out_t.T))
@@ -242,8 +249,10 @@ class Product:
         B, rows = x.shape[0], w.shape[0]
         if B == 1 or self.row_by_row:
             return [partial(_matvec, w, x[b], out=out[b, start:start + rows]) for b in range(B)]
-        if not self.blocks:
+        if not self.transposed:
             return [partial(np.matmul, x, w.T, out=out[:, start:start + rows])]
+        if not self.blocks:
+            return [partial(np.matmul, w, self.xt, out=self.out_t[start:start + rows])]
         step = max(1, SMALL_GEMM_MNK // (w.shape[1] * B))
         return [partial(np.matmul, w[r0:r0 + step], self.xt, out=self.out_t[start + r0:start + min(rows, r0 + step)])
                 for r0 in range(0, rows, step)]

@@ -21,6 +21,7 @@ import npllama
 from npllama import model as reference
 from npllama.engine import block, decode, passes, projections, shards
 from npllama.engine import settings as engine_settings
+from npllama.engine import cache as engine_cache
 from npllama.engine.cache import DecodeCache
 from npllama.engine.decode import DecodeStep
 from npllama.gradcheck import rel_error
@@ -115,13 +116,21 @@ def test_many_shards_on_two_threads_equal_the_reference(monkeypatch):
 LAYOUTS = st.sampled_from(["stacked", "in_place"])
 
 
+def key_layout(transposed: bool):
+    """DecodeCache's keys stored transposed (Dh, S) or by position (S, Dh), whatever the shapes."""
+    return mock.patch.object(engine_cache, "TRANSPOSED_KEYS_MAX", 1 << 62 if transposed else 0)
+
+
 @settings(max_examples=25)
-@given(configs(), st.integers(1, 4), st.integers(1, 6), LAYOUTS, st.booleans(), st.integers(0, 10_000))
-def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, split, seed):
+@given(configs(), st.integers(1, 4), st.integers(1, 6), LAYOUTS, st.booleans(), st.booleans(),
+       st.integers(0, 10_000))
+def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, split,
+                                                                               keys_transposed, seed):
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
     and every one-row product run on two BLAS threads, as large models' are, whatever its size and
-    the machine's cores."""
-    with mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
+    the machine's cores. keys_transposed: the cache's layout of keys (engine.cache)."""
+    with key_layout(keys_transposed), \
+            mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
             mock.patch.object(projections, "CORES_MIN_WEIGHTS", 0 if split else projections.CORES_MIN_WEIGHTS), \
             mock.patch.object(projections, "get_blas_threads", lambda: 2), \
             mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
@@ -132,7 +141,7 @@ def _decode_equals_the_reference(cfg, B, P, layout, seed):
     model = random_model(cfg, seed)
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
     kv = model.new_kv_cache(B)
-    assert isinstance(kv, DecodeCache)
+    assert isinstance(kv, DecodeCache) and kv.keys_transposed == (engine_cache.TRANSPOSED_KEYS_MAX > 0)
     prefill = model.forward(seq[:, :P], kv_cache=kv)
     assert rel_error(prefill, reference.forward(model.params, cfg, seq[:, :P])[0]) < TOL
     halves = projections.RowHalves()
@@ -146,9 +155,14 @@ def _decode_equals_the_reference(cfg, B, P, layout, seed):
 
 @settings(max_examples=15)
 @given(configs(), st.integers(1, 3), st.integers(1, 5), st.integers(1, 5), st.sampled_from([1, 2]),
-       st.integers(0, 10_000))
-def test_forward_after_cached_positions_equals_the_reference(cfg, B, P, T, workers, seed):
+       st.booleans(), st.integers(0, 10_000))
+def test_forward_after_cached_positions_equals_the_reference(cfg, B, P, T, workers, keys_transposed, seed):
     """A KV-cached forward of T positions after P cached ones (prefill in two chunks), by shards of rows."""
+    with key_layout(keys_transposed):
+        _forward_after_cached_positions(cfg, B, P, T, workers, seed)
+
+
+def _forward_after_cached_positions(cfg, B, P, T, workers, seed):
     model = random_model(cfg, seed)
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, P + T))
     kv = model.new_kv_cache(B)
@@ -161,9 +175,14 @@ def test_forward_after_cached_positions_equals_the_reference(cfg, B, P, T, worke
 
 
 @settings(max_examples=15)
-@given(configs(), LAYOUTS, st.integers(0, 10_000))
-def test_masked_forward_and_decode_with_key_bias_equal_the_reference(cfg, layout, seed):
+@given(configs(), LAYOUTS, st.booleans(), st.integers(0, 10_000))
+def test_masked_forward_and_decode_with_key_bias_equal_the_reference(cfg, layout, keys_transposed, seed):
     """Left padding: a mask in the prefill, a -inf key bias in the decode steps."""
+    with key_layout(keys_transposed):
+        _masked_forward_and_decode(cfg, layout, seed)
+
+
+def _masked_forward_and_decode(cfg, layout, seed):
     model = random_model(cfg, seed)
     rng = np.random.default_rng(seed)
     B, P = 3, 5
@@ -338,6 +357,8 @@ def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_the
     assert (product.cores is not None) == on_blas_threads
     assert (product.halves is halves) == (rows <= projections.FEW_ROWS and not on_blas_threads)
     assert product.row_by_row == (on_blas_threads and rows <= projections.ROW_BY_ROW)
+    # up to FEW_ROWS rows (more than ROW_BY_ROW on BLAS threads): W @ x.T through transposed copies
+    assert product.transposed == (1 < rows <= projections.FEW_ROWS and not product.row_by_row)
     if on_blas_threads:                                      # a gemv a row of each matrix, or a GEMM each
         assert len(product.ours) == len(ws) * (rows if rows <= projections.ROW_BY_ROW else 1)
     product()
