@@ -37,7 +37,7 @@ from .fused import rms_backward, rms_rstd, sigmoid
 from .lora import AdaptedStack, adapted_backward, adapted_forward
 from .settings import blas_threads
 from .shards import ShardSums, product, value
-from .stacked import RowStack, StackedLayer
+from .stacked import StackedLayer
 
 # A block's gradient slots (shards.ShardSums keys (layer, slot)): the StackedLayer fields' indices.
 SLOTS = {name: i for i, name in enumerate(StackedLayer._fields)}
@@ -100,12 +100,9 @@ class BlockCache(NamedTuple):
 
 
 def project(x, w):
-    """x W^T through a stacked weight: a plain (out, in) matrix, a RowStack (forward only) or an
-    AdaptedStack. -> (y, x A^T or None)"""
+    """x W^T through a stacked weight: a plain (out, in) matrix, or an AdaptedStack. -> (y, x A^T or None)"""
     if isinstance(w, AdaptedStack):
         return adapted_forward(x, w)
-    if isinstance(w, RowStack):
-        return w.matmul_t(x), None
     return x @ w.T, None
 
 

@@ -13,8 +13,7 @@ of the engine, whatever the pass:
   - Flat arrays (engine/layout.py): when the parameters are views of one array (npllama.Llama
     allocates them so), the stacks [wq; wk; wv] and [w1; w3] are views too, and the gradients
     are views of one new flat array that the stacked dW GEMMs write directly. Other parameters
-    (a loaded file's) are stacked into copies for a training call; a forward reads them in place
-    (stacked.RowStack: one GEMM per matrix) when they are held in the compute dtype.
+    (a loaded file's) are stacked into copies for the call.
   - LoRA (lora given: engine/lora.py): the same pass on frozen stacks with adapters; no
     gradient of the output layer, the norms or the embedding is formed.
   - Gradient checkpointing: each block keeps only its input in the forward, and is run again
@@ -47,7 +46,7 @@ from .lora import adapted_layers
 from .projections import linear_in_place
 from .settings import adapt_malloc_once, blas_threads
 from .shards import ShardSums, _executor, available_cores, n_shards, product, resolve_workers, run_sharded, value
-from .stacked import row_stacked_layer, stack_layer
+from .stacked import stack_layer
 from .upcast import float_params, upcast
 
 # Up to this many positions the attention probabilities are kept for backward; above, only
@@ -62,21 +61,13 @@ OUTPUT_SLOT, NORM_SLOT, EMBEDDING_SLOT = 6, 7, 8
 MIN_THREADED_ACTIVATIONS = 1 << 16
 
 
-def held_in(params: dict, dtype) -> bool:
-    """Every parameter held in dtype: a forward reads them in place, on any number of threads."""
-    return all(a.dtype == dtype for a in params.values())
-
-
 def block_layers(params: dict, config: LlamaConfig, dtype, lazy: bool = False):
     """Block i's weights as a StackedLayer: views of a flat array, or new stacked copies (upcast
-    from float16 / bfloat16 when held so). Returns a list, or with lazy (a forward's) a function of
-    i that makes one layer's copies when that layer runs (a forward then holds one layer's
-    copies), or reads the parameters in place as RowStacks when they are held in dtype."""
+    from float16 / bfloat16 when held so). Returns a list, or with lazy a function of i that
+    makes one layer's copies when that layer runs (a forward then holds one layer's copies)."""
     views = stacked_views(params, config)
     if views is not None:
         return views.__getitem__ if lazy else views
-    if lazy and held_in(params, dtype):
-        return lambda i: row_stacked_layer(layer_weights(params, i))
     floats = float_params(params, dtype)
 
     def layer(i):
@@ -246,8 +237,7 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, s
 
     Arguments as npllama.model.forward; rope (cos, sin) sets the compute dtype; lora as in
     loss_and_grads. workers: threads sharing the batch rows (shards.resolve_workers); one when the
-    weights must be copied per layer (parameters held in another dtype, upcast a layer at a time)
-    or the cache is not a DecodeCache.
+    weights must be copied per layer (a loaded or half-held model) or the cache is not a DecodeCache.
     A prefill into a DecodeCache of fewer rows than cores shares its positions between the
     cores instead (position_shards), unless workers is given.
     """
@@ -266,8 +256,7 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, s
     p = ForwardPass(config, params, layer,
                     rotations(rope[0][start_pos:start_pos + T], rope[1][start_pos:start_pos + T], config.head_dim),
                     kv_cache, start_pos, bias, last_only, dtype)
-    shareable = (flat or lora is not None or held_in(params, dtype)) and \
-        (kv_cache is None or isinstance(kv_cache, DecodeCache))
+    shareable = (flat or lora is not None) and (kv_cache is None or isinstance(kv_cache, DecodeCache))
     small = tokens.size * config.dim < MIN_THREADED_ACTIVATIONS
     cores = available_cores()
     if shareable and isinstance(kv_cache, DecodeCache) and workers is None and B < cores and not small:

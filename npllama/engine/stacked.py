@@ -20,44 +20,17 @@ from ..model import LayerWeights, layer_weights
 class StackedLayer(NamedTuple):
     """One block's weights as the engine uses them."""
     attention_norm: np.ndarray   # (D,)
-    wqkv: np.ndarray             # ((H + 2 KVH) Dh, D): [wq; wk; wv] (a RowStack in a forward of a loaded model)
+    wqkv: np.ndarray             # ((H + 2 KVH) Dh, D): [wq; wk; wv]
     wo: np.ndarray               # (D, H*Dh)
     ffn_norm: np.ndarray         # (D,)
-    w13: np.ndarray              # (2F, D): [w1; w3], gate then up (or a RowStack)
+    w13: np.ndarray              # (2F, D): [w1; w3], gate then up
     w2: np.ndarray               # (D, F)
-
-
-class RowStack(NamedTuple):
-    """[w_1; w_2; ...] stacked by rows without a copy: x @ W.T is one GEMM per matrix into its own
-    columns of the output. A forward reads a loaded model's weights so, in place: measured at 110M
-    with 512 positions (5 December 2026), 0.65 ms a layer more GEMM time than one stacked matrix,
-    against 3 ms a layer to copy the stack out of a memory-mapped file."""
-    matrices: tuple
-
-    @property
-    def shape(self):
-        return sum(w.shape[0] for w in self.matrices), self.matrices[0].shape[1]
-
-    def matmul_t(self, x):
-        """x @ W.T (N, n) for x (N, in)."""
-        y = np.empty((x.shape[0], self.shape[0]), dtype=np.result_type(x, *self.matrices))
-        start = 0
-        for w in self.matrices:
-            np.matmul(x, w.T, out=y[:, start:start + w.shape[0]])
-            start += w.shape[0]
-        return y
 
 
 def stack_layer(w: LayerWeights) -> StackedLayer:
     """Stack [wq; wk; wv] and [w1; w3]: a copy of those matrices (the others are the params themselves)."""
     return StackedLayer(w.attention_norm, np.concatenate((w.wq, w.wk, w.wv)), w.wo,
                         w.ffn_norm, np.concatenate((w.w1, w.w3)), w.w2)
-
-
-def row_stacked_layer(w: LayerWeights) -> StackedLayer:
-    """stack_layer for a forward, without copies: [wq; wk; wv] and [w1; w3] as RowStacks."""
-    return StackedLayer(w.attention_norm, RowStack((w.wq, w.wk, w.wv)), w.wo,
-                        w.ffn_norm, RowStack((w.w1, w.w3)), w.w2)
 
 
 def stack_layers(params: dict, config: LlamaConfig) -> list[StackedLayer]:

@@ -24,7 +24,6 @@ from npllama.engine import settings as engine_settings
 from npllama.engine import cache as engine_cache
 from npllama.engine.cache import DecodeCache
 from npllama.engine.decode import DecodeStep
-from npllama.engine.stacked import RowStack
 from npllama.gradcheck import rel_error
 from npllama.storage import to_float, to_storage
 
@@ -219,20 +218,15 @@ def test_prefill_of_the_last_position_only_equals_the_reference(cfg, B, T, seed)
 
 @settings(max_examples=20)
 @given(configs(), st.integers(1, 2), st.integers(0, 3), st.integers(1, 8), st.integers(2, 4), st.booleans(),
-       st.booleans(), st.booleans(), st.integers(0, 10_000))
+       st.booleans(), st.integers(0, 10_000))
 def test_a_prefill_cut_into_position_shards_on_threads_equals_the_reference(cfg, B, P, T, cores, last_only, masked,
-                                                                              loaded, seed):
+                                                                              seed):
     """Fewer rows than cores: the prefill's positions in shards on threads, each later shard waiting in
     every layer for the earlier ones' keys (forced on these tiny shapes; the first shard's writes
     delayed, so a later shard that did not wait would read keys not yet written), after P cached
-    positions, with a mask or not, every position's logits or the last one's. loaded: parameters
-    that are separate arrays, as a loaded file's, read in place ([wq; wk; wv] and [w1; w3] as
-    stacked.RowStack), not views of one flat array."""
+    positions, with a mask or not, every position's logits or the last one's."""
     B = min(B, cores - 1)
     model = random_model(cfg, seed)
-    if loaded:
-        model.params = {name: a.copy() for name, a in model.params.items()}
-        assert isinstance(passes.block_layers(model.params, cfg, np.float64, lazy=True)(0).wqkv, RowStack)
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, P + T))
     s = np.arange(P + T)
     mask = (s[None, :] <= s[:, None]) & ((s[None, :] != 1) | (s[:, None] == 1))   # key 1 hidden from the others
