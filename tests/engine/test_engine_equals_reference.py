@@ -218,31 +218,44 @@ def test_prefill_of_the_last_position_only_equals_the_reference(cfg, B, T, seed)
 
 @settings(max_examples=20)
 @given(configs(), st.integers(1, 2), st.integers(0, 3), st.integers(1, 8), st.integers(2, 4), st.booleans(),
-       st.booleans(), st.integers(0, 10_000))
+       st.booleans(), st.booleans(), st.integers(0, 10_000))
 def test_a_prefill_cut_into_position_shards_on_threads_equals_the_reference(cfg, B, P, T, cores, last_only, masked,
-                                                                              seed):
+                                                                              loaded, seed):
     """Fewer rows than cores: the prefill's positions in shards on threads, each later shard waiting in
     every layer for the earlier ones' keys (forced on these tiny shapes; the first shard's writes
     delayed, so a later shard that did not wait would read keys not yet written), after P cached
-    positions, with a mask or not, every position's logits or the last one's."""
+    positions, with a mask or not, every position's logits or the last one's. loaded: parameters
+    that are separate arrays, as a loaded file's, whose stacked copies the shards share
+    (passes.SharedLayers): the same bits as the model's own flat parameters give."""
     B = min(B, cores - 1)
     model = random_model(cfg, seed)
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, P + T))
     s = np.arange(P + T)
     mask = (s[None, :] <= s[:, None]) & ((s[None, :] != 1) | (s[:, None] == 1))   # key 1 hidden from the others
     expected = reference.forward(model.params, cfg, seq, mask=mask if masked else None)[0][:, P:]
-    kv = model.new_kv_cache(B)
-    if P:
-        model.forward(seq[:, :P], kv_cache=kv, mask=mask[:P, :P] if masked else None)
-    with mock.patch.object(passes, "MIN_THREADED_ACTIVATIONS", 0), \
-            mock.patch.object(passes, "available_cores", lambda: cores), \
-            mock.patch.object(passes, "_forward_by_positions", side_effect=passes._forward_by_positions) as split, \
-            mock.patch.object(block, "kv_append", side_effect=late_first_writes(block.kv_append, P)):
-        got = passes.forward(model.params, cfg, model.rope, seq[:, P:], kv_cache=kv, start_pos=P,
-                             mask=mask[P:] if masked else None, last_only=last_only)
-        calls = split.call_args_list
-    assert len(calls) == 1 and (T == 1 or len(calls[0].args[2]) >= 2)
+
+    def prefill(params):
+        kv = model.new_kv_cache(B)
+        if P:
+            model.forward(seq[:, :P], kv_cache=kv, mask=mask[:P, :P] if masked else None)
+        with mock.patch.object(passes, "MIN_THREADED_ACTIVATIONS", 0), \
+                mock.patch.object(passes, "available_cores", lambda: cores), \
+                mock.patch.object(passes, "_forward_by_positions", side_effect=passes._forward_by_positions) as split, \
+                mock.patch.object(block, "kv_append", side_effect=late_first_writes(block.kv_append, P)):
+            got = passes.forward(params, cfg, model.rope, seq[:, P:], kv_cache=kv, start_pos=P,
+                                 mask=mask[P:] if masked else None, last_only=last_only)
+            calls = split.call_args_list
+        assert len(calls) == 1 and (T == 1 or len(calls[0].args[2]) >= 2)
+        return got, calls[0].args[0].layer
+
+    got, layer = prefill(model.params)
     assert rel_error(got, expected[:, -1] if last_only else expected) < TOL
+    if loaded:
+        got_loaded, layer = prefill({name: a.copy() for name, a in model.params.items()})
+        assert isinstance(layer, passes.SharedLayers) and layer.made == {}    # every layer handed to every shard
+        assert np.array_equal(got_loaded, got)
+    else:
+        assert not isinstance(layer, passes.SharedLayers)
 
 
 def late_first_writes(kv_append, first_start):
