@@ -268,6 +268,21 @@ def _rows_between(rows, lo, hi):
     return found
 
 
+# Rows of W transposed at a time by transposed_copy: a block's reads and writes stay in cache.
+TRANSPOSE_BLOCK_ROWS = 256
+
+
+def transposed_copy(w: np.ndarray) -> np.ndarray:
+    """W.T as a new C-contiguous array, a block of W's rows at a time. Measured on 15M's classifier
+    (32000 x 288, 5 December 2026, the machine busy): 46-50 ms, against 132 for
+    np.ascontiguousarray(w.T), whose one strided pass misses the cache on every element. A one-row
+    step's copies are made per generation: 15M's took 47-56 ms, against 74-273 before."""
+    out = np.empty(w.shape[::-1], dtype=w.dtype)
+    for r0 in range(0, w.shape[0], TRANSPOSE_BLOCK_ROWS):
+        out[:, r0:r0 + TRANSPOSE_BLOCK_ROWS] = w[r0:r0 + TRANSPOSE_BLOCK_ROWS].T
+    return out
+
+
 def half_buffers(params: dict, dtype, max_in: int):
     """Two upcast buffers (one a thread) when some matrix is not held in dtype, else (None, None)."""
     if all(a.dtype == dtype for a in params.values()):
@@ -317,7 +332,7 @@ class StackedProjections:
 
         def product(w, x, out):
             w = w.astype(dtype, copy=False)
-            return Product([np.ascontiguousarray(w.T) if rows_first else w], x, out, halves,
+            return Product([transposed_copy(w) if rows_first else w], x, out, halves,
                            rows_first=rows_first).call
 
         self.layers = []
