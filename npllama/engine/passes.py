@@ -261,11 +261,9 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, s
     small = tokens.size * config.dim < MIN_THREADED_ACTIVATIONS
     cores = available_cores()
     if isinstance(kv_cache, DecodeCache) and workers is None and B < cores and not small:
-        shards = position_shards(config, start_pos, T, cores)
-        if not shareable:               # a loaded model's stacked copies, made once for every shard
-            p = p._replace(layer=SharedLayers(p.layer, len(shards)))
-        with blas_threads(1):
-            return _forward_by_positions(p, tokens, shards)
+        with blas_threads(1):           # a loaded model's stacked copies made once for every shard
+            return _forward_by_positions(p, tokens, position_shards(config, start_pos, T, cores),
+                                         share_layers=not shareable)
     workers = resolve_workers(workers if shareable else 1, B, T, config.dim)
     with blas_threads(1 if small else None):
         shards = run_sharded(lambda j, rows, x: _shard_forward(p, rows, x), workers, config.dim, tokens)
@@ -301,27 +299,45 @@ def _shard_forward(p: ForwardPass, rows: slice, tokens, positions: slice = slice
 # ----------------------------------------------------------------------------- a prefill's positions in shards
 
 class SharedLayers:
-    """layer(i) of a lazy block_layers, made by the first of `users` threads that asks for it and
-    handed to the others, then dropped once all have it. Position shards (which wait for each
-    other layer by layer) so share one stacked copy of a loaded model's layer, the same arrays
-    as one thread would make: the same GEMMs, so the same bits as an initialised model's flat
-    stacks. Measured at 110M, 512 positions (5 December 2026): 964-1,008 tokens/s against 822-903
-    for the whole prompt on one thread with two BLAS threads (an initialised model: 1,081)."""
+    """A lazy block_layers' layer(i) for the position shards of one forward: made by the first shard
+    that takes it, handed to the others, dropped once all of them have it. The shards so share one
+    stacked copy of a loaded model's layer, the same arrays one thread would make: the same GEMMs,
+    so the same bits as an initialised model's flat stacks. The first shard waits before making
+    layer i until the others have taken layer i - 2 (it never waits on their keys, so it could
+    otherwise run ahead with every layer's copies alive): at most two layers' copies at a time.
+    Measured at 110M, 512 positions (5 December 2026): 964-1,008 tokens/s against 822-903 for the
+    whole prompt on one thread with two BLAS threads (an initialised model: 1,081)."""
 
-    def __init__(self, layer: Callable, users: int):
-        self.layer, self.users = layer, users
-        self.lock = threading.Lock()
-        self.made: dict = {}             # i -> [the layer, threads yet to take it]
+    def __init__(self, layer: Callable, n_shards: int):
+        self.layer = layer
+        self.changed = threading.Condition()
+        self.made: dict = {}                  # i -> [the layer, shards yet to take it]
+        self.taken = [0] * n_shards           # per shard: how many layers it has taken
+        self.running = n_shards
 
-    def __call__(self, i: int):
-        with self.lock:                  # the others wait while one thread makes it: they need it next
+    def take(self, shard: int, i: int):
+        """Layer i for `shard`, after layers 0 .. i - 1."""
+        with self.changed:
+            self.changed.wait_for(lambda: i in self.made or all(j >= i - 1 for j in self.made))
             entry = self.made.get(i)
             if entry is None:
-                entry = self.made[i] = [self.layer(i), self.users]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self.made[i]
+                entry = self.made[i] = [self.layer(i), self.running]
+            self.taken[shard] = i + 1
+            self._hand_out(i)
             return entry[0]
+
+    def done(self, shard: int) -> None:
+        """The shard has ended, or failed: no layer waits for it any more."""
+        with self.changed:
+            self.running -= 1
+            for i in [i for i in self.made if i >= self.taken[shard]]:
+                self._hand_out(i)
+
+    def _hand_out(self, i: int) -> None:
+        self.made[i][1] -= 1
+        if self.made[i][1] == 0:
+            del self.made[i]
+            self.changed.notify_all()
 
 
 # The batched attention GEMMs (b * KVH of them, inner dimension Dh) run at about a third of the
@@ -361,16 +377,21 @@ class PositionOrder:
             event.set()
 
 
-def _forward_by_positions(p: ForwardPass, tokens, shards: list[slice]):
+def _forward_by_positions(p: ForwardPass, tokens, shards: list[slice], share_layers: bool = False):
     """_shard_forward of every row, its positions cut into shards, one thread each (the first
-    never waits; each later one waits in every layer for the earlier ones' keys and values)."""
+    never waits; each later one waits in every layer for the earlier ones' keys and values).
+    share_layers: p.layer makes copies, which the shards share (SharedLayers)."""
     order = PositionOrder(len(shards), p.config.n_layers)
+    shared = SharedLayers(p.layer, len(shards)) if share_layers else None
 
     def run(j, positions):
+        mine = p if shared is None else p._replace(layer=partial(shared.take, j))
         try:
-            return _shard_forward(p, slice(None), tokens[:, positions], positions, partial(order.written, j))
+            return _shard_forward(mine, slice(None), tokens[:, positions], positions, partial(order.written, j))
         finally:
             order.done(j)
+            if shared is not None:
+                shared.done(j)
 
     futures = [_executor(len(shards)).submit(run, j, positions) for j, positions in enumerate(shards)]
     logits = [f.result() for f in futures]

@@ -10,6 +10,8 @@ bfloat16, all within 1e-10 relative of the reference. tests/test_backends.py run
 (training, LoRA, generation) on both backends and compares them.
 """
 
+import contextlib
+import threading
 import time
 from unittest import mock
 
@@ -241,21 +243,95 @@ def test_a_prefill_cut_into_position_shards_on_threads_equals_the_reference(cfg,
         with mock.patch.object(passes, "MIN_THREADED_ACTIVATIONS", 0), \
                 mock.patch.object(passes, "available_cores", lambda: cores), \
                 mock.patch.object(passes, "_forward_by_positions", side_effect=passes._forward_by_positions) as split, \
-                mock.patch.object(block, "kv_append", side_effect=late_first_writes(block.kv_append, P)):
+                mock.patch.object(block, "kv_append", side_effect=late_first_writes(block.kv_append, P)), \
+                shared_layers_kept() as shared:
             got = passes.forward(params, cfg, model.rope, seq[:, P:], kv_cache=kv, start_pos=P,
                                  mask=mask[P:] if masked else None, last_only=last_only)
             calls = split.call_args_list
         assert len(calls) == 1 and (T == 1 or len(calls[0].args[2]) >= 2)
-        return got, calls[0].args[0].layer
+        return got, shared
 
-    got, layer = prefill(model.params)
+    got, shared = prefill(model.params)
     assert rel_error(got, expected[:, -1] if last_only else expected) < TOL
+    assert shared == []                                                     # flat parameters: views, no copies
     if loaded:
-        got_loaded, layer = prefill({name: a.copy() for name, a in model.params.items()})
-        assert isinstance(layer, passes.SharedLayers) and layer.made == {}    # every layer handed to every shard
+        got_loaded, shared = prefill({name: a.copy() for name, a in model.params.items()})
+        assert len(shared) == 1 and shared[0].made == {}                    # every layer handed to every shard
         assert np.array_equal(got_loaded, got)
-    else:
-        assert not isinstance(layer, passes.SharedLayers)
+
+
+@contextlib.contextmanager
+def shared_layers_kept():
+    """The passes.SharedLayers made inside the block, in a list."""
+    made = []
+
+    def make(*args):
+        made.append(real(*args))
+        return made[-1]
+    real = passes.SharedLayers
+    with mock.patch.object(passes, "SharedLayers", side_effect=make):
+        yield made
+
+
+def test_shared_layers_make_each_layer_once_wait_two_layers_ahead_and_forget_a_failed_shard():
+    """passes.SharedLayers alone: one copy a layer for every shard; the first shard waits to make
+    layer 2 until the other has taken layer 0; a shard's end hands out what it never took."""
+    calls = []
+    shared = passes.SharedLayers(lambda i: calls.append(i) or f"layer {i}", 2)
+    assert shared.take(0, 0) == "layer 0" and shared.take(0, 1) == "layer 1"
+    ahead = []
+    first = threading.Thread(target=lambda: ahead.append(shared.take(0, 2)))
+    first.start()
+    first.join(0.2)
+    assert first.is_alive() and ahead == []                     # layer 0 not yet taken by shard 1
+    assert shared.take(1, 0) == "layer 0"
+    first.join(5)
+    assert ahead == ["layer 2"] and calls == [0, 1, 2] and sorted(shared.made) == [1, 2]
+    shared.done(1)                                              # shard 1 failed before layers 1 and 2
+    assert shared.made == {} and shared.running == 1
+    assert shared.take(0, 3) == "layer 3" and shared.made == {}  # made for shard 0 alone
+    shared.done(0)
+    assert shared.running == 0
+
+
+def test_shared_layers_hold_two_layers_at_most_and_free_the_others_when_a_shard_fails():
+    """passes.SharedLayers with a later shard slowed down: the first waits to make layer i until
+    layer i - 2 is taken; when a shard fails, the forward raises and a next one runs (no thread
+    left waiting for it)."""
+    cfg = npllama.LlamaConfig(dim=8, n_layers=6, n_heads=2, vocab_size=11, hidden_dim=8, max_seq_len=32)
+    model = random_model(cfg, 3)
+    loaded = {name: a.copy() for name, a in model.params.items()}
+    tokens = np.random.default_rng(3).integers(0, 11, (1, 24))
+    alive, made, real, kv_append = [], [], passes.SharedLayers, block.kv_append
+
+    def counting(layer, n_shards):              # each copy made: how many are alive with it
+        shared = real(lambda i: alive.append(len(shared.made) + 1) or layer(i), n_shards)
+        made.append(shared)
+        return shared
+
+    def slow_later_shards(kv, k, v):
+        if kv.start > 0:
+            time.sleep(0.01)
+        return kv_append(kv, k, v)
+
+    def failing_later_shard(kv, k, v):
+        if kv.start > 0 and kv.layer == 2:
+            raise RuntimeError("shard failed")
+        return kv_append(kv, k, v)
+
+    with mock.patch.object(passes, "MIN_THREADED_ACTIVATIONS", 0), \
+            mock.patch.object(passes, "available_cores", lambda: 2), \
+            mock.patch.object(passes, "SharedLayers", side_effect=counting):
+        with mock.patch.object(block, "kv_append", side_effect=slow_later_shards):
+            got = passes.forward(loaded, cfg, model.rope, tokens, kv_cache=model.new_kv_cache(1))
+        assert rel_error(got, reference.forward(model.params, cfg, tokens)[0]) < TOL
+        assert len(alive) == cfg.n_layers and max(alive) == 2 and made[-1].made == {}
+        with mock.patch.object(block, "kv_append", side_effect=failing_later_shard), \
+                pytest.raises(RuntimeError, match="shard failed"):
+            passes.forward(loaded, cfg, model.rope, tokens, kv_cache=model.new_kv_cache(1))
+        assert made[-1].made == {} and made[-1].running == 0
+        again = passes.forward(loaded, cfg, model.rope, tokens, kv_cache=model.new_kv_cache(1))
+    assert np.array_equal(again, got)                                        # the threads are free
 
 
 def late_first_writes(kv_append, first_start):
