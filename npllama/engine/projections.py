@@ -11,7 +11,8 @@ then costs no Python beyond calling them. The pieces by the number of rows B:
     B = 1          W @ x: OpenBLAS's gemv on W read in place, or x @ W for a W stored (in, n)
                    (rows_first); so too each row of B <= ROW_BY_ROW rows on BLAS threads
     B > 1          one GEMM per matrix: W @ x.T through transposed copies of x and out for up to
-                   FEW_ROWS rows (OpenBLAS then splits W's rows between its threads), x @ W.T above
+                   FEW_ROWS rows (OpenBLAS then splits W's rows between its threads; a call per
+                   CORES_BLOCK_ROWS rows of W), x @ W.T above
     rows_first     x @ W for a W stored (in, n): one call (or one a row, B <= ROW_BY_ROW), for
                    small models (StackedProjections)
 
@@ -103,6 +104,13 @@ SPLIT_MIN_WEIGHTS = 1 << 17
 # ones at 3 and 4 rows; whole steps at 8 rows 8M 2,157 tokens/s against 1,466, 15M 920 against
 # 724, 110M 128 against 106.
 CORES_MIN_WEIGHTS = 1 << 19
+# A few rows' GEMM W @ x.T on BLAS threads goes this many rows of W a call: OpenBLAS runs a tall W
+# (32000 rows) far below its speed on shorter ones. Measured on 5 December 2026 (Xeon, two threads,
+# weights out of L2, per product): 8 rows through 32000 x 288 1.9 ms in blocks of 1024 rows against
+# 4.1 as one GEMM, 32000 x 768 9.0 against 13.6, 2304 x 768 0.35 against 0.47, 4096 x 768 0.61
+# against 0.73; blocks of 1024 as fast as or faster than one GEMM at 3, 4, 16 and 32 rows on every
+# shape of 8M, 15M and 110M but 4096 x 288 at 4 rows (0.30 against 0.27).
+CORES_BLOCK_ROWS = 1024
 # Up to this many rows, a product on BLAS threads or through a matrix stored (in, n) is one gemv a
 # row: OpenBLAS's GEMM with M = 2 reads W slower than two gemv calls read it twice (measured on 2
 # December 2026, 2 rows, whole steps: 8M 1,458 tokens/s against 753 before, 15M 667 against 317,
@@ -251,8 +259,10 @@ class Product:
             return [partial(_matvec, w, x[b], out=out[b, start:start + rows]) for b in range(B)]
         if not self.transposed:
             return [partial(np.matmul, x, w.T, out=out[:, start:start + rows])]
-        if not self.blocks:
-            return [partial(np.matmul, w, self.xt, out=self.out_t[start:start + rows])]
+        if not self.blocks:                         # on BLAS threads: CORES_BLOCK_ROWS rows of w a call
+            return [partial(np.matmul, w[r0:r0 + CORES_BLOCK_ROWS], self.xt,
+                            out=self.out_t[start + r0:start + min(rows, r0 + CORES_BLOCK_ROWS)])
+                    for r0 in range(0, rows, CORES_BLOCK_ROWS)]
         step = max(1, SMALL_GEMM_MNK // (w.shape[1] * B))
         return [partial(np.matmul, w[r0:r0 + step], self.xt, out=self.out_t[start + r0:start + min(rows, r0 + step)])
                 for r0 in range(0, rows, step)]

@@ -130,10 +130,12 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
                                                                                keys_transposed, seed):
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
     and every one-row product run on two BLAS threads, as large models' are, whatever its size and
-    the machine's cores. keys_transposed: the cache's layout of keys (engine.cache)."""
+    the machine's cores (a few rows' GEMM there in blocks of 5 of W's rows, CORES_BLOCK_ROWS).
+    keys_transposed: the cache's layout of keys (engine.cache)."""
     with key_layout(keys_transposed), \
             mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
             mock.patch.object(projections, "CORES_MIN_WEIGHTS", 0 if split else projections.CORES_MIN_WEIGHTS), \
+            mock.patch.object(projections, "CORES_BLOCK_ROWS", 5 if split else projections.CORES_BLOCK_ROWS), \
             mock.patch.object(projections, "get_blas_threads", lambda: 2), \
             mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
         _decode_equals_the_reference(cfg, B, P, layout, seed)
@@ -422,17 +424,20 @@ def test_process_wide_blas_threads_are_restored_even_while_a_generator_is_paused
     engine_settings.set_blas_threads(before)
 
 
+@pytest.mark.parametrize("block_rows", [1024, 64])
 @pytest.mark.parametrize("rows, held, blas", [(1, "float64", 2), (1, "float64", 1), (1, "float32", 2),
                                               (2, "float64", 2), (2, "float64", 1), (5, "float64", 2),
                                               (5, "float64", 1), (5, "float32", 2), (40, "float64", 2),
                                               (40, "float64", 1)])
 def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_their_thread(monkeypatch, rows, held,
-                                                                                          blas):
-    """On two BLAS threads: a gemv a row (up to ROW_BY_ROW rows), or one GEMM. When the process runs
-    one BLAS thread or the weights are held in another dtype (upcast a block at a time): up to
-    FEW_ROWS rows in halves on two threads (small GEMMs, or a gemv for one row); one GEMM above."""
+                                                                                          blas, block_rows):
+    """On two BLAS threads: a gemv a row (up to ROW_BY_ROW rows), or a GEMM per block_rows rows of each
+    matrix (W @ x.T up to FEW_ROWS rows). When the process runs one BLAS thread or the weights are
+    held in another dtype (upcast a block at a time): up to FEW_ROWS rows in halves on two threads
+    (small GEMMs, or a gemv for one row); one GEMM above."""
     monkeypatch.setattr(projections, "SPLIT_MIN_WEIGHTS", 0)
     monkeypatch.setattr(projections, "CORES_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(projections, "CORES_BLOCK_ROWS", block_rows)
     monkeypatch.setattr(projections, "available_cores", lambda: 2)
     monkeypatch.setattr(projections, "get_blas_threads", lambda: blas)
     rng = np.random.default_rng(0)
@@ -448,8 +453,9 @@ def test_products_split_on_two_threads_equal_one_gemm_pass_errors_on_and_end_the
     assert product.row_by_row == (on_blas_threads and rows <= projections.ROW_BY_ROW)
     # up to FEW_ROWS rows (more than ROW_BY_ROW on BLAS threads): W @ x.T through transposed copies
     assert product.transposed == (1 < rows <= projections.FEW_ROWS and not product.row_by_row)
-    if on_blas_threads:                                      # a gemv a row of each matrix, or a GEMM each
-        assert len(product.ours) == len(ws) * (rows if rows <= projections.ROW_BY_ROW else 1)
+    if on_blas_threads:               # a gemv a row of each matrix, or a GEMM per block of rows (up to FEW_ROWS rows)
+        blocks = sum(-(-len(w) // block_rows) for w in ws) if product.transposed else len(ws)
+        assert len(product.ours) == (len(ws) * rows if rows <= projections.ROW_BY_ROW else blocks)
     product()
     assert rel_error(out, x @ np.concatenate(ws).astype(np.float64).T) < TOL
     first = out.copy()
