@@ -41,8 +41,10 @@ Two layouts of the weights (engine.decode.DecodeStep picks one by size):
 
 StackedProjections, for small models, where a step costs per NumPy call: [wq; wk; wv] and
 [w1; w3] stacked into one matrix each, with sqrt(D) g (the norm's weight) and 1/sqrt(Dh) folded in
-(stacked.fold_norms) and w1 and w2 negated (the step's SwiGLU works with -a; decode.py), each stored
-in the orientation OpenBLAS runs fastest for the batch size. Copies, made once per generation.
+and w1 negated (stacked.folded_layer: the step's SwiGLU works with -a, and subtracts the down
+projection from the residual; decode.py), each stored in the orientation OpenBLAS runs fastest for
+the batch size. Copies, made once per generation, each in one pass over its parameters
+(stacked_copy).
 
 InPlaceProjections, for large models, where a step costs per byte of weights read (110M: 438 MB
 a token): every matrix read where it is, as model.params holds it (Meta's (out, in) layout; a
@@ -65,7 +67,7 @@ from ..config import LlamaConfig
 from ..model import layer_weights, output_weight_name
 from .settings import blas_threads, get_blas_threads
 from .shards import available_cores
-from .stacked import fold_norms, stack_layers
+from .stacked import ScaledRows, folded_layer
 from .upcast import upcast, upcast_into
 
 # Rows of a half-held matrix turned into float32 at a time: about 2^18 weights, a 1 MB buffer that
@@ -278,18 +280,39 @@ def _rows_between(rows, lo, hi):
     return found
 
 
-# Rows of W transposed at a time by transposed_copy: a block's reads and writes stay in cache.
+# Rows of W copied at a time by transposed_copy and stacked_copy: a block's reads and writes stay in cache.
 TRANSPOSE_BLOCK_ROWS = 256
 
 
 def transposed_copy(w: np.ndarray) -> np.ndarray:
-    """W.T as a new C-contiguous array, a block of W's rows at a time. Measured on 15M's classifier
-    (32000 x 288, 5 December 2026, the machine busy): 46-50 ms, against 132 for
-    np.ascontiguousarray(w.T), whose one strided pass misses the cache on every element. A one-row
-    step's copies are made per generation: 15M's took 47-56 ms, against 74-273 before."""
-    out = np.empty(w.shape[::-1], dtype=w.dtype)
-    for r0 in range(0, w.shape[0], TRANSPOSE_BLOCK_ROWS):
-        out[:, r0:r0 + TRANSPOSE_BLOCK_ROWS] = w[r0:r0 + TRANSPOSE_BLOCK_ROWS].T
+    """W.T as a new C-contiguous array, a block of W's rows at a time (stacked_copy of W alone)."""
+    return stacked_copy([ScaledRows(w, None)], w.dtype, transposed=True)
+
+
+def stacked_copy(parts: list, dtype, transposed: bool) -> np.ndarray:
+    """[w_1 * f_1; w_2 * f_2; ...] for parts ScaledRows(w_j, f_j), each w_j's rows times its factor
+    (none when None), in dtype: one new array (n, in), or its transpose (in, n) C-contiguous when
+    `transposed`. Made TRANSPOSE_BLOCK_ROWS rows at a time, each block read once, scaled and written
+    while in cache, so a copy is one pass over the parameters. The products are w's (in its dtype)
+    and then rounded to dtype, as (w * f).astype(dtype) would be: the same bits.
+    Measured on 15M's classifier (32000 x 288, 5 December 2026): a transposed copy 46-50 ms, against
+    132 for np.ascontiguousarray(w.T), whose one strided pass misses the cache on every element; a
+    one-row step of 15M made in 25-30 ms, against 54-62 when the stacking, the norms' folding and the
+    transposition were three passes (and 74-273 before the blocks)."""
+    n, n_in = sum(p.w.shape[0] for p in parts), parts[0].w.shape[1]
+    out = np.empty((n_in, n) if transposed else (n, n_in), dtype=dtype)
+    start = 0
+    for w, factor in parts:
+        for r0 in range(0, w.shape[0], TRANSPOSE_BLOCK_ROWS):
+            block = w[r0:r0 + TRANSPOSE_BLOCK_ROWS]
+            if factor is not None:
+                block = block * factor
+            rows = slice(start + r0, start + r0 + block.shape[0])
+            if transposed:
+                out[:, rows] = block.T
+            else:
+                out[rows] = block
+        start += w.shape[0]
     return out
 
 
@@ -329,7 +352,7 @@ class StackedProjections:
     """Stacked, folded copies of the weights, oriented for the batch size (small models)."""
 
     def __init__(self, params: dict, config: LlamaConfig, acts: Activations, halves: RowHalves | None = None):
-        B, H, Dh = acts.xn.shape[0], config.n_heads, config.head_dim
+        B, Dh = acts.xn.shape[0], config.head_dim
         # OpenBLAS picks its kernel by shape. Measured per step (one thread): with 2 rows, x @ W
         # with W stored (in, out) beats (W @ x.T).T with W stored (out, in), as Meta has it, by
         # 1.4x on an 8M model; with 4+ rows the latter wins by up to 1.4x. With one row x @ W
@@ -340,21 +363,21 @@ class StackedProjections:
         rows_first = B <= ROW_BY_ROW
         dtype = acts.xn.dtype
 
-        def product(w, x, out):
-            w = w.astype(dtype, copy=False)
-            return Product([transposed_copy(w) if rows_first else w], x, out, halves,
-                           rows_first=rows_first).call
+        def product(parts, x, out):
+            if len(parts) == 1 and parts[0].factor is None and not rows_first:
+                w = parts[0].w.astype(dtype, copy=False)           # read in place: no copy to make
+            else:
+                w = stacked_copy(parts, dtype, transposed=rows_first)
+            return Product([w], x, out, halves, rows_first=rows_first).call
 
         self.layers = []
-        for w in (fold_norms(w, Dh, H) for w in stack_layers(params, config)):
-            F = w.w2.shape[1]
-            w13 = w.w13
-            w13[:F] *= -1                                         # fold_norms' copy: -w1, exact
-            self.layers.append((product(w.wqkv, acts.xn, acts.qkv), product(w.wo, acts.att, acts.res),
-                                product(w13, acts.xn, acts.ab), product(w.w2, acts.g, acts.res)))
-        norm = params["norm.weight"]
-        self.logits = product(params[output_weight_name(config)] * (norm * np.sqrt(config.dim, dtype=np.float64))
-                              .astype(norm.dtype), acts.xn, acts.logits)
+        for i in range(config.n_layers):
+            qkv, o, gate_up, down = folded_layer(layer_weights(params, i), Dh)
+            self.layers.append((product(qkv, acts.xn, acts.qkv), product(o, acts.att, acts.res),
+                                product(gate_up, acts.xn, acts.ab), product(down, acts.g, acts.res)))
+        classifier = params[output_weight_name(config)]
+        final_gain = (params["norm.weight"] * np.sqrt(config.dim, dtype=np.float64)).astype(classifier.dtype)
+        self.logits = product([ScaledRows(classifier, final_gain)], acts.xn, acts.logits)
         self.embedding = params["tok_embeddings.weight"].astype(dtype, copy=False)
 
     def embed(self, ids, out):

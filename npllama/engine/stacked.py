@@ -33,24 +33,31 @@ def stack_layer(w: LayerWeights) -> StackedLayer:
                         w.ffn_norm, np.concatenate((w.w1, w.w3)), w.w2)
 
 
-def stack_layers(params: dict, config: LlamaConfig) -> list[StackedLayer]:
-    """Every block's weights, stacked: once per training step or generation, not once per call."""
-    return [stack_layer(layer_weights(params, i)) for i in range(config.n_layers)]
+class ScaledRows(NamedTuple):
+    """Rows of a stacked copy: a parameter w (rows, in) with each row multiplied by factor (in,)."""
+    w: np.ndarray
+    factor: np.ndarray | None    # in w's dtype; None: w as it is
 
 
-def fold_norms(w: StackedLayer, head_dim: int, n_heads: int) -> StackedLayer:
-    """The layer with each RMSNorm weight (times sqrt(D)) folded into the matrix that reads its output,
-    and 1/sqrt(Dh) into the q rows, for decoding: with r = (mean(x**2) + eps) ** -0.5,
+def folded_layer(w: LayerWeights, head_dim: int) -> tuple[list, list, list, list]:
+    """One block's four stacked projections for decoding, [wq; wk; wv], [wo], [-w1; w3] and [w2], as
+    lists of ScaledRows: each RMSNorm weight (times sqrt(D)) folded into the matrices that read its
+    output, 1/sqrt(Dh) into q's rows and -1 into w1's. With r = (mean(x**2) + eps) ** -0.5,
 
         (x * r * g) @ W.T = (x / sqrt(sum(x**2) + D eps)) @ (W * (sqrt(D) g)).T
 
-    so a step normalises with one row sum and one division, and scales q by nothing. The norm
-    fields of the result are None; wqkv and w13 are new arrays (the stacked copies, scaled).
+    so a step normalises with one row sum and one division, scales q by nothing, and its SwiGLU
+    reads -a (engine/decode.py). A factor is formed in float64 and rounded once to the weights'
+    dtype; -1 and the stacking are exact. The copies themselves are made by the caller
+    (engine.projections.stacked_copy), in the orientation its products want.
     """
     D = w.attention_norm.shape[0]
     scale = np.sqrt(D, dtype=np.float64)
-    qkv_rows = np.ones(w.wqkv.shape[0])
-    qkv_rows[:n_heads * head_dim] = 1.0 / np.sqrt(head_dim)
-    wqkv = w.wqkv * (qkv_rows[:, None] * (w.attention_norm * scale)[None, :]).astype(w.wqkv.dtype)
-    w13 = w.w13 * (w.ffn_norm * scale).astype(w.w13.dtype)
-    return StackedLayer(None, wqkv, w.wo, None, w13, w.w2)
+    attention_gain, ffn_gain = w.attention_norm * scale, w.ffn_norm * scale        # float64, (D,)
+    q_factor = (attention_gain * (1.0 / np.sqrt(head_dim))).astype(w.wq.dtype)
+    up_factor = ffn_gain.astype(w.w3.dtype)
+    return ([ScaledRows(w.wq, q_factor), ScaledRows(w.wk, attention_gain.astype(w.wk.dtype)),
+             ScaledRows(w.wv, attention_gain.astype(w.wv.dtype))],
+            [ScaledRows(w.wo, None)],
+            [ScaledRows(w.w1, -ffn_gain.astype(w.w1.dtype)), ScaledRows(w.w3, up_factor)],
+            [ScaledRows(w.w2, None)])
