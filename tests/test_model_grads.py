@@ -94,13 +94,15 @@ def test_directional_derivative_and_sampled_entries(cfg, B, T, seed):
     loss_at(0.0)
     analytic = sum(float(np.sum(grads[n] * direction[n])) for n in grads)
     assert rel_error(analytic, numeric) < 1e-6
-    # A few entries of each parameter, so a gradient routed to the wrong array cannot hide.
-    # Picked entries can be ~1e-6, where central differences carry ~5e-10 of noise; so the error is
+    # A few entries of each parameter, so a gradient routed to the wrong array cannot hide. Picked
+    # entries can be ~1e-6: the five-point stencil at h keeps their noise near 1e-12, where central
+    # differences at h = 1e-6 carried ~1e-9 (seed 528's w1 entries of ~1e-3 then missed 1e-6 by
+    # rounding alone; a stencil at h = 1e-3 confirmed the analytic ones to 1e-9). The error is
     # taken relative to at least the RMS size of the whole parameter's gradient. A gradient sent
     # to the wrong array still shows an error of order 1.
     for name, p in model.params.items():
         picks = rng.choice(p.size, size=min(3, p.size), replace=False)
-        numeric = numerical_grad(lambda: model.loss_and_grads(tokens, targets)[0], p, indices=picks)
+        numeric = numerical_grad(lambda: model.loss_and_grads(tokens, targets)[0], p, h=h, indices=picks, points=5)
         a, n = grads[name].reshape(-1)[picks], numeric.reshape(-1)[picks]
         floor = np.linalg.norm(grads[name]) * np.sqrt(len(picks) / p.size)
         # Gradients that are exactly 0 (with equal tokens every value row is equal, and the queries
@@ -108,3 +110,17 @@ def test_directional_derivative_and_sampled_entries(cfg, B, T, seed):
         diff = np.linalg.norm(a - n)
         err = diff / max(np.linalg.norm(a), np.linalg.norm(n), floor, 1e-300)
         assert err < 1e-6 or diff < 1e-9, f"{name}: relative error {err:.2e}; analytic {a}, numeric {n}"
+
+
+def test_numerical_grad_stencils_reach_their_orders():
+    """points=5 (the five-point stencil) errs by ~h**4, points=3 by ~h**2: at h = 1e-2 on sin,
+    ~1e-10 against ~1e-5; any other count of points is refused."""
+    x = np.linspace(-2.0, 2.0, 7)
+    exact = np.cos(x)
+    three = numerical_grad(lambda: float(np.sum(np.sin(x))), x, h=1e-2)
+    five = numerical_grad(lambda: float(np.sum(np.sin(x))), x, h=1e-2, points=5)
+    assert 1e-7 < np.abs(three - exact).max() < 1e-4
+    assert np.abs(five - exact).max() < 1e-9
+    assert np.array_equal(x, np.linspace(-2.0, 2.0, 7))          # every entry put back
+    with pytest.raises(ValueError, match="points=4"):
+        numerical_grad(lambda: 0.0, x, points=4)
