@@ -297,7 +297,7 @@ def stacked_copy(parts: list, dtype, transposed: bool) -> np.ndarray:
     and then rounded to dtype, as (w * f).astype(dtype) would be: the same bits.
     Measured on 15M's classifier (32000 x 288, 5 December 2026): a transposed copy 46-50 ms, against
     132 for np.ascontiguousarray(w.T), whose one strided pass misses the cache on every element; a
-    one-row step of 15M made in 25-30 ms, against 54-62 when the stacking, the norms' folding and the
+    one-row step of 15M made in 38-39 ms, against 54-62 when the stacking, the norms' folding and the
     transposition were three passes (and 74-273 before the blocks)."""
     n, n_in = sum(p.w.shape[0] for p in parts), parts[0].w.shape[1]
     out = np.empty((n_in, n) if transposed else (n, n_in), dtype=dtype)

@@ -13,7 +13,8 @@ import npllama
 from npllama import model as reference
 from npllama.engine import attention, fused, passes, shards
 from npllama.engine.layout import FlatLayout
-from npllama.engine.projections import transposed_copy
+from npllama.engine.projections import stacked_copy, transposed_copy
+from npllama.engine.stacked import ScaledRows
 from npllama.gradcheck import rel_error
 from npllama.ops import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
                          embedding_backward, embedding_forward, rmsnorm_backward, rmsnorm_forward)
@@ -251,3 +252,19 @@ def test_a_transposed_copy_in_row_blocks_is_w_transposed(rows, cols, dtype):
     w = np.random.default_rng(rows * 41 + cols).standard_normal((rows, cols)).astype(dtype)
     t = transposed_copy(w)
     assert t.flags.c_contiguous and t.dtype == dtype and np.array_equal(t, w.T)
+
+
+@settings(max_examples=30)
+@given(st.lists(st.tuples(st.integers(1, 600), st.booleans()), min_size=1, max_size=3), st.integers(1, 20),
+       st.sampled_from([np.float32, np.float64]), st.sampled_from([np.float32, np.float64]), st.booleans())
+def test_a_stacked_copy_is_the_scaled_parts_stacked_bit_for_bit(parts, cols, held, dtype, transposed):
+    """projections.stacked_copy: [w_1 * f_1; w_2 * f_2; ...] (products in the parameters' dtype, then
+    rounded to dtype), or its transpose, C-contiguous, across block edges (256 rows a block)."""
+    rng = np.random.default_rng(len(parts) * 1000 + cols)
+    scaled = [ScaledRows(rng.standard_normal((rows, cols)).astype(held),
+                         rng.standard_normal(cols).astype(held) if has_factor else None)
+              for rows, has_factor in parts]
+    expected = np.concatenate([(w if f is None else w * f).astype(dtype) for w, f in scaled])
+    copy = stacked_copy(scaled, dtype, transposed=transposed)
+    assert copy.flags.c_contiguous and copy.dtype == dtype
+    assert np.array_equal(copy, expected.T if transposed else expected)
