@@ -127,6 +127,7 @@ def _chose_nan(logits: np.ndarray, ids: np.ndarray) -> bool:
         return logits[0, ids[0]] != logits[0, ids[0]]
     return bool(np.isnan(logits[np.arange(ids.shape[0]), ids]).any())
 
+
 def _left_padded(context: list[list[int]], max_seq_len: int):
     """The rows left-padded to one length P: tokens (B, P), the prefill's mask (B, P, P) and the
     steps' key_ok (B, max_seq_len), both None when no row is padded.

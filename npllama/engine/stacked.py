@@ -3,8 +3,9 @@
 [wq; wk; wv] all read the attention norm's output and [w1; w3] the feed-forward norm's, so
 stacking them along the output axis turns three (or two) matmuls into one, saves passes over
 the activations, and in backward the one GEMM dx = dy @ W also sums the branches' gradients.
-Built from the reference's own tables (npllama.model.layer_weights), so the names and the
-order of the blocks are defined once.
+Built from the reference's own tables (a LayerWeights of npllama.model.layer_weights), so the
+names and the order of the blocks are defined once. A decode step's copies fold the norms into
+them as well (folded_layer).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import LlamaConfig
-from ..model import LayerWeights, layer_weights
+from ..model import LayerWeights
 
 
 class StackedLayer(NamedTuple):
