@@ -69,8 +69,11 @@ class EngineBackend:
         return EngineDecoder(params, config, rope, batch_size)
 
     def decoder_copy_bytes(self, params: dict, dtype) -> int:
-        """The bytes a decoder copies of the weights: the stacked, norm-folded copies of a small model."""
-        return sum(a.nbytes for a in params.values()) if choose_layout(params) == "stacked" else 0
+        """The bytes a decoder copies of the weights: the stacked, norm-folded copies of a small model's
+        blocks (at most every block's matrices; its embedding and classifier are read in place)."""
+        if choose_layout(params) != "stacked":
+            return 0
+        return sum(a.nbytes for name, a in params.items() if name.startswith("layers."))
 
     def pass_footprint(self, batch_size: int, seq_len: int, dim: int, workers=None) -> tuple[int, int]:
         """(rows whose activations are alive at once, shards whose gradients are summed): shards.pass_footprint."""
