@@ -377,13 +377,19 @@ class StackedProjections:
             qkv, o, gate_up, down = folded_layer(layer_weights(params, i), Dh)
             self.layers.append((product(qkv, acts.xn, acts.qkv), product(o, acts.att, acts.res),
                                 product(gate_up, acts.xn, acts.ab), product(down, acts.g, acts.res)))
-        # The classifier, the largest matrix, is read in place (its norm's gain applied to xn, a
-        # row of D numbers, instead): at one row OpenBLAS reads 32000 x 288 in place as fast as a
-        # copy stored (in, out) (measured 5 December 2026, two threads: 1.25 against 1.20 ms from
-        # DRAM, 0.67 against 0.67 from L3), and the copy cost 15M 20 ms and 37 MB a generation call.
-        final_gain = (params["norm.weight"] * np.sqrt(config.dim, dtype=np.float64)).astype(dtype)
-        self.logits = Product([params[output_weight_name(config)].astype(dtype, copy=False)], acts.xn, acts.logits,
-                              halves, pre=[partial(np.multiply, acts.xn, final_gain, out=acts.xn)]).call
+        # A large classifier (CORES_MIN_WEIGHTS and more) is read in place, its norm's gain applied
+        # to xn (a row of D numbers) instead: at one row OpenBLAS reads 32000 x 288 in place as fast
+        # as a copy stored (in, out) (measured 5 December 2026, two threads: 1.25 against 1.20 ms
+        # from DRAM, 0.67 against 0.67 from L3), and the copy cost 15M 20 ms and 37 MB a generation
+        # call. A small one (stories260K's 512 x 64) is folded into a copy: its step costs per call,
+        # and the multiply of xn is one more (7,370-7,580 tokens/s against 6,920-7,360 read in place).
+        classifier = params[output_weight_name(config)]
+        final_gain = params["norm.weight"] * np.sqrt(config.dim, dtype=np.float64)
+        if classifier.size >= CORES_MIN_WEIGHTS:
+            self.logits = Product([classifier.astype(dtype, copy=False)], acts.xn, acts.logits, halves,
+                                  pre=[partial(np.multiply, acts.xn, final_gain.astype(dtype), out=acts.xn)]).call
+        else:
+            self.logits = product([ScaledRows(classifier, final_gain.astype(classifier.dtype))], acts.xn, acts.logits)
         self.embedding = params["tok_embeddings.weight"].astype(dtype, copy=False)
 
     def embed(self, ids, out):

@@ -130,7 +130,8 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
                                                                                keys_transposed, seed):
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
     and every one-row product run on two BLAS threads, as large models' are, whatever its size and
-    the machine's cores (a few rows' GEMM there in blocks of 5 of W's rows, CORES_BLOCK_ROWS).
+    the machine's cores (a few rows' GEMM there in blocks of 5 of W's rows, CORES_BLOCK_ROWS, and
+    a stacked layout's classifier read in place, its gain on xn, as a large classifier is).
     keys_transposed: the cache's layout of keys (engine.cache)."""
     with key_layout(keys_transposed), \
             mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
