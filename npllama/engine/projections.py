@@ -68,8 +68,8 @@ from ..config import LlamaConfig
 from ..model import layer_weights, output_weight_name
 from .settings import blas_threads, get_blas_threads
 from .shards import available_cores
-from .stacked import ScaledRows, folded_layer
-from .upcast import upcast, upcast_into
+from .stacked import ScaledRows, folded_layer, norm_gain
+from .upcast import upcast_into
 
 # Rows of a half-held matrix turned into float32 at a time: about 2^18 weights, a 1 MB buffer that
 # stays in L2 (measured at 110M: 64K-256K weights a block are best, a whole matrix ~10% slower; at
@@ -281,13 +281,8 @@ def _rows_between(rows, lo, hi):
     return found
 
 
-# Rows of W copied at a time by transposed_copy and stacked_copy: a block's reads and writes stay in cache.
+# Rows of W copied at a time by stacked_copy: a block's reads and writes stay in cache.
 TRANSPOSE_BLOCK_ROWS = 256
-
-
-def transposed_copy(w: np.ndarray) -> np.ndarray:
-    """W.T as a new C-contiguous array, a block of W's rows at a time (stacked_copy of W alone)."""
-    return stacked_copy([ScaledRows(w, None)], w.dtype, transposed=True)
 
 
 def stacked_copy(parts: list, dtype, transposed: bool) -> np.ndarray:
@@ -384,7 +379,7 @@ class StackedProjections:
         # call. A small one (stories260K's 512 x 64) is folded into a copy: its step costs per call,
         # and the multiply of xn is one more (7,370-7,580 tokens/s against 6,920-7,360 read in place).
         classifier = params[output_weight_name(config)]
-        final_gain = params["norm.weight"] * np.sqrt(config.dim, dtype=np.float64)
+        final_gain = norm_gain(params["norm.weight"])
         if classifier.size >= CORES_MIN_WEIGHTS:
             self.logits = Product([classifier.astype(dtype, copy=False)], acts.xn, acts.logits, halves,
                                   pre=[partial(np.multiply, acts.xn, final_gain.astype(dtype), out=acts.xn)]).call
@@ -403,11 +398,10 @@ class InPlaceProjections:
     def __init__(self, params: dict, config: LlamaConfig, acts: Activations, halves: RowHalves | None = None):
         D, H, Dh, F = config.dim, config.n_heads, config.head_dim, config.hidden_dim
         self.dtype = dtype = acts.xn.dtype
-        sqrt_d = np.sqrt(D, dtype=np.float64)
         buffers = half_buffers(params, dtype, max(D, F))
 
         def gain(norm_weight):          # sqrt(D) g, in the compute dtype (a (D,) copy)
-            return (upcast(norm_weight, np.float64) * sqrt_d).astype(dtype)
+            return norm_gain(norm_weight).astype(dtype)
 
         def product(ws, x, out, pre=(), post=()):
             return Product(ws, x, out, halves, pre, post, buffers=buffers).call

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..model import LayerWeights
+from .upcast import upcast
 
 
 class StackedLayer(NamedTuple):
@@ -39,6 +40,12 @@ class ScaledRows(NamedTuple):
     factor: np.ndarray | None    # in w's dtype; None: w as it is
 
 
+def norm_gain(norm_weight: np.ndarray) -> np.ndarray:
+    """sqrt(D) g for an RMSNorm weight g (D,), in float64 (upcast from float16 / bfloat16 when held so):
+    the factor the decode step applies after dividing x by sqrt(sum(x**2) + D eps) (folded_layer)."""
+    return upcast(norm_weight, np.float64) * np.sqrt(norm_weight.shape[0], dtype=np.float64)
+
+
 def folded_layer(w: LayerWeights, head_dim: int) -> tuple[list, list, list, list]:
     """One block's four stacked projections for decoding, [wq; wk; wv], [wo], [-w1; w3] and [w2], as
     lists of ScaledRows: each RMSNorm weight (times sqrt(D)) folded into the matrices that read its
@@ -51,9 +58,7 @@ def folded_layer(w: LayerWeights, head_dim: int) -> tuple[list, list, list, list
     dtype; -1 and the stacking are exact. The copies themselves are made by the caller
     (engine.projections.stacked_copy), in the orientation its products want.
     """
-    D = w.attention_norm.shape[0]
-    scale = np.sqrt(D, dtype=np.float64)
-    attention_gain, ffn_gain = w.attention_norm * scale, w.ffn_norm * scale        # float64, (D,)
+    attention_gain, ffn_gain = norm_gain(w.attention_norm), norm_gain(w.ffn_norm)   # float64, (D,)
     q_factor = (attention_gain * (1.0 / np.sqrt(head_dim))).astype(w.wq.dtype)
     up_factor = ffn_gain.astype(w.w3.dtype)
     return ([ScaledRows(w.wq, q_factor), ScaledRows(w.wk, attention_gain.astype(w.wk.dtype)),

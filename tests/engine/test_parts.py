@@ -13,7 +13,7 @@ import npllama
 from npllama import model as reference
 from npllama.engine import attention, fused, passes, shards
 from npllama.engine.layout import FlatLayout
-from npllama.engine.projections import stacked_copy, transposed_copy
+from npllama.engine.projections import stacked_copy
 from npllama.engine.stacked import ScaledRows
 from npllama.gradcheck import rel_error
 from npllama.ops import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
@@ -248,9 +248,9 @@ def test_init_draws_in_chunks_give_the_one_shot_values(monkeypatch):
 @settings(max_examples=30)
 @given(st.integers(1, 700), st.integers(1, 40), st.sampled_from([np.float32, np.float64]))
 def test_a_transposed_copy_in_row_blocks_is_w_transposed(rows, cols, dtype):
-    """projections.transposed_copy: W.T, C-contiguous, across block edges (256 rows a block)."""
+    """projections.stacked_copy of W alone, transposed: W.T, C-contiguous, across block edges (256 rows a block)."""
     w = np.random.default_rng(rows * 41 + cols).standard_normal((rows, cols)).astype(dtype)
-    t = transposed_copy(w)
+    t = stacked_copy([ScaledRows(w, None)], dtype, transposed=True)
     assert t.flags.c_contiguous and t.dtype == dtype and np.array_equal(t, w.T)
 
 
