@@ -25,6 +25,7 @@ import npllama
 from npllama import cli, memory
 from npllama.cli import gradcheck as gradcheck_command
 from npllama.engine import pass_footprint
+from npllama.engine import settings as engine_settings
 from npllama.errors import MemoryLimitError
 from npllama.io.llama2c import LLAMA2C_MAGIC
 from npllama.io.metadata import model_metadata
@@ -38,7 +39,10 @@ GiB = 1 << 30
 
 
 def peak_of(fn):
-    """(result or the exception raised, peak bytes traced while fn ran)."""
+    """(result or the exception raised, peak bytes traced while fn ran). The engine's once-per-process
+    malloc adaptation (an untouched 32 MB block) is made first, so a peak does not depend on which
+    test ran an engine pass before."""
+    engine_settings.adapt_malloc_once()
     tracemalloc.start()
     try:
         try:

@@ -16,12 +16,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import LlamaConfig
+from ..model import layer_param_names, layer_weights
 from ..storage import copy_into
 from .adamw import FusedAdamW
 from .cache import DecodeCache
 from .decode import EngineDecoder, choose_layout
 from .layout import FlatLayout, flat_params
 from .passes import forward, loss_and_grads
+from .projections import gemv_padded_rows
 from .shards import pass_footprint
 
 
@@ -70,10 +72,18 @@ class EngineBackend:
 
     def decoder_copy_bytes(self, params: dict, dtype) -> int:
         """The bytes a decoder copies of the weights: the stacked, norm-folded copies of a small model's
-        blocks (at most every block's matrices; its embedding and classifier are read in place)."""
+        blocks (at most every block's matrices, each stack padded as projections.gemv_padded_rows
+        may pad it; its embedding and classifier are read in place)."""
         if choose_layout(params) != "stacked":
             return 0
-        return sum(a.nbytes for name, a in params.items() if name.startswith("layers."))
+        total, i = 0, 0
+        while layer_param_names(i).wq in params:
+            w = layer_weights(params, i)
+            for stack in ((w.wq, w.wk, w.wv), (w.wo,), (w.w1, w.w3), (w.w2,)):
+                rows = gemv_padded_rows(sum(a.shape[0] for a in stack), stack[0].shape[1])
+                total += rows * stack[0].shape[1] * stack[0].itemsize
+            i += 1
+        return total
 
     def pass_footprint(self, batch_size: int, seq_len: int, dim: int, workers=None) -> tuple[int, int]:
         """(rows whose activations are alive at once, shards whose gradients are summed): shards.pass_footprint."""

@@ -25,8 +25,9 @@ and a matrix held in float16 / bfloat16 (or float32 under float64 activations, i
 into the activations' dtype a block of rows at a time, in a buffer that stays in cache
 (HALF_BLOCK_ELEMENTS), and multiplied there: DRAM only sees the 2-byte weights.
 
-Two threads. A Product of at least CORES_MIN_WEIGHTS multiply-adds (B n in) through float weights
-in x's dtype runs its gemv or GEMM on OpenBLAS's threads (as many as the process allows when the
+Two threads. A Product of at least CORES_MIN_WEIGHTS multiply-adds (B n in), or of gemvs a row
+through at least GEMV_THREADS_MIN_WEIGHTS weights (below which OpenBLAS keeps a gemv on one thread), through
+float weights in x's dtype runs its gemv or GEMM on OpenBLAS's threads (as many as the process allows when the
 Product is made, at most one per core), and the rest of the step on one: every core streams the
 weights. OpenBLAS's threads spin while they wait, which costs dearly when another job holds a
 core (measured with one core busy: 110M 17-19 tokens/s against 23 with the halves below; 15M
@@ -43,9 +44,10 @@ StackedProjections, for small models, where a step costs per NumPy call: [wq; wk
 [w1; w3] stacked into one matrix each, with sqrt(D) g (the norm's weight) and 1/sqrt(Dh) folded in
 and w1 negated (stacked.folded_layer: the step's SwiGLU works with -a, and subtracts the down
 projection from the residual; decode.py), each stored in the orientation OpenBLAS runs fastest for
-the batch size. Copies, made once per generation, each in one pass over its parameters
-(stacked_copy); the embedding and the classifier are read in place (the final norm's gain
-applied to xn).
+the batch size; a copy read a row at a time a little short of GEMV_THREADS_MIN_WEIGHTS padded with
+zero columns up to it (gemv_padding), so that both cores read it. Copies, made once per generation,
+each in one pass over its parameters (stacked_copy); the embedding and a large classifier are read
+in place (the final norm's gain applied to xn).
 
 InPlaceProjections, for large models, where a step costs per byte of weights read (110M: 438 MB
 a token): every matrix read where it is, as model.params holds it (Meta's (out, in) layout; a
@@ -107,6 +109,19 @@ SPLIT_MIN_WEIGHTS = 1 << 17
 # ones at 3 and 4 rows; whole steps at 8 rows 8M 2,157 tokens/s against 1,466, 15M 920 against
 # 724, 110M 128 against 106.
 CORES_MIN_WEIGHTS = 1 << 19
+# OpenBLAS runs a matrix-vector product on its threads only from this many weights on (m n >= 115200
+# GEMM_MULTITHREAD_THRESHOLD, 4 by default, in its interface/gemv.c; measured on 0.3.31, two threads,
+# either orientation: 1599 x 288 25-27 us, 1600 x 288 11-17; 599 x 768 and 600 x 768, 899 x 512 and
+# 900 x 512 alike). A gemv a row (one row, or a copy stored (in, n)) through at least this many weights
+# runs on all cores, as a product of CORES_MIN_WEIGHTS multiply-adds does.
+GEMV_THREADS_MIN_WEIGHTS = 115200 * 4
+# A small model's stacked copy read a row at a time (rows_first) just short of GEMV_THREADS_MIN_WEIGHTS
+# is padded with zero columns up to it when that makes it at most this much larger: both cores then
+# read it, each half the bytes. Dim 288's [-w1; w3] (1536 x 288, 442,368 weights) padded to 1600
+# columns: one row's step of 15M's shape 1.63-1.69 ms against 1.38-1.47 (measured 5 December 2026,
+# Xeon, six layers' copies and the classifier, weights in L3); a copy of 1100 columns padded to 1600
+# still gained 14 us a layer, one of 900 was level, 864 x 288 (qkv) lost 7 us.
+GEMV_PAD_MAX_GROWTH = 4 / 3
 # A few rows' GEMM W @ x.T on BLAS threads goes this many rows of W a call: OpenBLAS runs a tall W
 # (32000 rows) far below its speed on shorter ones. Measured on 5 December 2026 (Xeon, two threads,
 # weights out of L2, per product): 8 rows through 32000 x 288 1.9 ms in blocks of 1024 rows against
@@ -181,21 +196,52 @@ def _through_buffer(w, block, pieces):
         piece()
 
 
+def product_threads() -> int:
+    """The BLAS threads a large product runs on: the process's, at most one per core."""
+    return min(get_blas_threads() or 1, available_cores())
+
+
+def gemv_padded_rows(n: int, n_in: int) -> int:
+    """The rows of a stacked copy of n rows (n, in) once padded up to GEMV_THREADS_MIN_WEIGHTS: n
+    itself when it has as many weights already, or the padding would grow it past GEMV_PAD_MAX_GROWTH."""
+    padded = -(-GEMV_THREADS_MIN_WEIGHTS // n_in)
+    return padded if n < padded <= n * GEMV_PAD_MAX_GROWTH else n
+
+
+def gemv_padding(parts: list, rows_first: bool) -> list:
+    """The zero rows to stack under parts (ScaledRows) so that a copy read a row at a time reaches
+    GEMV_THREADS_MIN_WEIGHTS, where OpenBLAS runs it on every core (gemv_padded_rows): one
+    ScaledRows of zeros when the copy is rows_first and the process has two cores' BLAS threads for
+    it, else none. The zero columns of x @ W are never read."""
+    n, n_in = sum(p.w.shape[0] for p in parts), parts[0].w.shape[1]
+    padded = gemv_padded_rows(n, n_in)
+    if not rows_first or product_threads() < 2 or padded == n:
+        return []
+    return [ScaledRows(np.zeros((padded - n, n_in), parts[0].w.dtype), None)]
+
+
 class Product:
     """out = x @ W.T for fixed buffers x (B, in) and out (B, n), W = [ws[0]; ws[1]; ...] (n, in)
     stacked by rows, each held (rows, in) in any float dtype; or out = x @ ws[0] with rows_first
-    (one matrix stored (in, n), x's dtype). pre and post are calls made before and after (a
-    norm's gain on x, a scale on out). Calling it computes out."""
+    (one matrix stored (in, n') in x's dtype, n' >= n: columns past out's n are zero padding,
+    gemv_padding). pre and post are calls made before and after (a norm's gain on x, a scale on
+    out). Calling it computes out."""
 
     def __init__(self, ws, x, out, halves: RowHalves | None = None, pre=(), post=(), rows_first=False,
                  buffers=(None, None)):
         B, n_in = x.shape
         self.pre, self.post, self.halves, self.cores = list(pre), list(post), None, None
         n = ws[0].shape[1] if rows_first else sum(w.shape[0] for w in ws)
-        threads = min(get_blas_threads() or 1, available_cores())
-        if B * n * n_in >= CORES_MIN_WEIGHTS and threads >= 2 and all(w.dtype == x.dtype for w in ws):
+        threads = product_threads()
+        gemv_a_row = B == 1 or rows_first
+        large = B * n * n_in >= CORES_MIN_WEIGHTS or (gemv_a_row and n * n_in >= GEMV_THREADS_MIN_WEIGHTS)
+        if large and threads >= 2 and all(w.dtype == x.dtype for w in ws):
             self.cores = blas_threads(threads)                        # the step runs on one BLAS thread
         self.row_by_row = B <= ROW_BY_ROW and (rows_first or self.cores is not None)
+        if rows_first and n > out.shape[1]:         # W padded with zero columns (gemv_padding): its own out
+            wide = np.empty((B, n), x.dtype)
+            self.post.append(partial(np.copyto, out, wide[:, :out.shape[1]]))
+            out = wide
         if rows_first:                                              # x, out contiguous (Activations)
             # np.dot: ~1 us a call less than np.matmul; on BLAS threads a row at a time (see ROW_BY_ROW)
             self.ours = ([partial(np.dot, x[b], ws[0], out=out[b]) for b in range(B)] if self.row_by_row
@@ -364,7 +410,7 @@ class StackedProjections:
             if len(parts) == 1 and parts[0].factor is None and not rows_first:
                 w = parts[0].w.astype(dtype, copy=False)           # read in place: no copy to make
             else:
-                w = stacked_copy(parts, dtype, transposed=rows_first)
+                w = stacked_copy(parts + gemv_padding(parts, rows_first), dtype, transposed=rows_first)
             return Product([w], x, out, halves, rows_first=rows_first).call
 
         self.layers = []

@@ -131,11 +131,16 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
     and every one-row product run on two BLAS threads, as large models' are, whatever its size and
     the machine's cores (a few rows' GEMM there in blocks of 5 of W's rows, CORES_BLOCK_ROWS, and
-    a stacked layout's classifier read in place, its gain on xn, as a large classifier is).
+    a stacked layout's classifier read in place, its gain on xn, as a large classifier is; and a
+    stacked copy of one or two rows under 200 weights padded with zero columns up to 200, as dim
+    288's [-w1; w3] is up to GEMV_THREADS_MIN_WEIGHTS).
     keys_transposed: the cache's layout of keys (engine.cache)."""
     with key_layout(keys_transposed), \
             mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
             mock.patch.object(projections, "CORES_MIN_WEIGHTS", 0 if split else projections.CORES_MIN_WEIGHTS), \
+            mock.patch.object(projections, "GEMV_THREADS_MIN_WEIGHTS",
+                              200 if split else projections.GEMV_THREADS_MIN_WEIGHTS), \
+            mock.patch.object(projections, "GEMV_PAD_MAX_GROWTH", 100 if split else projections.GEMV_PAD_MAX_GROWTH), \
             mock.patch.object(projections, "CORES_BLOCK_ROWS", 5 if split else projections.CORES_BLOCK_ROWS), \
             mock.patch.object(projections, "get_blas_threads", lambda: 2), \
             mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
@@ -156,6 +161,46 @@ def _decode_equals_the_reference(cfg, B, P, layout, seed):
         expected = reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]
         assert rel_error(logits, expected) < TOL, pos
     halves.close()
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_a_copy_just_short_of_openblas_threads_is_padded_with_zeros_and_read_on_both_cores(monkeypatch, B):
+    """StackedProjections pads a copy read a row at a time that falls a little short of
+    GEMV_THREADS_MIN_WEIGHTS (within GEMV_PAD_MAX_GROWTH) with zero columns up to it, runs it on the
+    process's BLAS threads and hands on only its own columns: the steps still equal the reference.
+    The bytes a decoder copies (backend.decoder_copy_bytes, which the memory check before generation
+    uses) count the padding. Neither with one BLAS thread, nor when the padding would grow the copy
+    past the bound."""
+    cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=13, hidden_dim=20,
+                              max_seq_len=10)
+    model = random_model(cfg, 3)
+    monkeypatch.setattr(projections, "available_cores", lambda: 2)
+    monkeypatch.setattr(projections, "GEMV_THREADS_MIN_WEIGHTS", 8 * 43)     # [-w1; w3]: 40 columns -> 43
+    seq = np.random.default_rng(3).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
+
+    def gate_up_copy(blas):
+        monkeypatch.setattr(projections, "get_blas_threads", lambda: blas)
+        step = DecodeStep(model.params, cfg, model.rope, B, layout="stacked")
+        gate_up = step.projections.layers[0][2]
+        kv = model.new_kv_cache(B)
+        for pos in range(cfg.max_seq_len):
+            logits = step(seq[:, pos], pos, kv)
+            assert rel_error(logits, reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]) < TOL, pos
+        return gate_up
+
+    def weights(product):                  # x[b] @ w: the copy, stored (in, n); a lone piece is the call itself
+        piece = product.ours[0] if isinstance(product, projections.Product) else product
+        return piece.args[1]
+
+    padded = gate_up_copy(blas=2)
+    assert weights(padded).shape == (8, 43) and not weights(padded)[:, 40:].any()
+    assert padded.cores is not None and len(padded.ours) == B
+    step = DecodeStep(model.params, cfg, model.rope, B, layout="stacked")        # the memory check's count
+    assert model.backend.decoder_copy_bytes(model.params, model.dtype) == \
+        sum(weights(p).nbytes for layer in step.projections.layers for p in layer)
+    assert weights(gate_up_copy(blas=1)).shape == (8, 40)
+    monkeypatch.setattr(projections, "GEMV_PAD_MAX_GROWTH", 1.05)            # 43 > 40 * 1.05: no padding
+    assert weights(gate_up_copy(blas=2)).shape == (8, 40)
 
 
 @settings(max_examples=15)
