@@ -24,10 +24,11 @@ from .checks import check_dtype, check_int
 from .config import LlamaConfig
 from .engine import EngineBackend
 from .engine.layout import FlatLayout
+from .engine.stacked import adjacent_rows
 from .errors import NpllamaError
 from .kvcache import KVCache
 from .lora import LoraSpec, adapter_shapes, check_adapters, init_adapters, merge
-from .model import TokenError, check_tokens, fill_init_params, model_rope_tables
+from .model import TokenError, check_tokens, fill_init_params, layer_weights, model_rope_tables
 from .optim import AdamW
 from .storage import (STORAGE_DTYPES, compute_dtype_of, is_half, nbytes_per_element, storage_dtype_name,
                       storage_name_of, to_storage)
@@ -283,10 +284,15 @@ def pass_footprint(backend, batch_size: int, seq_len: int, dim: int, workers=Non
 
 def _require_lora(base: Llama, spec: LoraSpec) -> None:
     """Refuse, before they are built, adapters that cannot fit (npllama.memory), with the frozen
-    stacks of the base's blocks (a copy of their weights, unless they are one flat array already)."""
+    stacks of the base's blocks ([wq; wk; wv] and [w1; w3]: a copy of those weights, unless they are
+    one flat array already or lie next to each other, as in a mapped file that npllama saved)."""
     itemsize = base.dtype.itemsize
-    stacks = 0 if base.backend.name != "engine" or FlatLayout(base.config).base_of(base.params) is not None else \
-        sum(p.size for n, p in base.params.items() if n.startswith("layers.")) * itemsize
+    stacks = 0
+    if base.backend.name == "engine" and FlatLayout(base.config).base_of(base.params) is None:
+        for w in (layer_weights(base.params, i) for i in range(base.config.n_layers)):
+            for members in ((w.wq, w.wk, w.wv), (w.w1, w.w3)):
+                if members[0].dtype != base.dtype or adjacent_rows(members) is None:
+                    stacks += sum(p.size for p in members) * itemsize
     memory.require(memory.lora_bytes(base.config, spec.rank, spec.targets, itemsize) + stacks,
                    f"LoRA adapters of rank {spec.rank} on {','.join(spec.targets)} ({base.config.n_layers} layers)",
                    "choose a smaller rank (--lora-rank)")

@@ -237,6 +237,28 @@ def _write_sharded(folder, model):
     return shards
 
 
+def test_a_saved_model_s_stacks_are_views_of_its_file_and_give_the_same_bits(tmp_path):
+    """format="meta" stores each block's [wq; wk; wv] and [w1; w3] next to each other (the engine's
+    flat order), so the loaded model's passes read them as views of the file, not copies, and compute
+    the same bits as the model that was saved. A transformers folder's q and k (un-permuted on loading)
+    are copied."""
+    from npllama.engine.passes import block_layers
+    from npllama.model import layer_weights
+    model = random_model(gqa_config())
+    back = npllama.load(npllama.save(model, tmp_path / "m.safetensors", format="meta"))
+    for i, layer in enumerate(block_layers(back.params, back.config, np.float32)):
+        w = layer_weights(back.params, i)
+        assert np.shares_memory(layer.wqkv, w.wv) and np.shares_memory(layer.w13, w.w3), i
+        assert np.array_equal(layer.wqkv, np.concatenate((w.wq, w.wk, w.wv)))
+        assert np.array_equal(layer.w13, np.concatenate((w.w1, w.w3)))
+    np.testing.assert_array_equal(back.forward(TOKENS), model.forward(TOKENS))
+    from_hf = npllama.load(npllama.save(model, tmp_path / "hf", format="hf"))
+    layer = block_layers(from_hf.params, from_hf.config, np.float32)[0]
+    assert not np.shares_memory(layer.wqkv, from_hf.params["layers.0.attention.wv.weight"])
+    assert np.array_equal(layer.wqkv, np.concatenate([from_hf.params[f"layers.0.attention.{n}.weight"]
+                                                      for n in ("wq", "wk", "wv")]))
+
+
 def test_sharded_hf_folder_loads(tmp_path):
     model = random_model(gqa_config())
     _write_sharded(tmp_path / "sharded", model)

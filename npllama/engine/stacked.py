@@ -29,9 +29,47 @@ class StackedLayer(NamedTuple):
 
 
 def stack_layer(w: LayerWeights) -> StackedLayer:
-    """Stack [wq; wk; wv] and [w1; w3]: a copy of those matrices (the others are the params themselves)."""
-    return StackedLayer(w.attention_norm, np.concatenate((w.wq, w.wk, w.wv)), w.wo,
-                        w.ffn_norm, np.concatenate((w.w1, w.w3)), w.w2)
+    """Stack [wq; wk; wv] and [w1; w3]: views when each stack's members lie next to each other in one
+    buffer (adjacent_rows: a file written in FlatLayout's order and mapped), else a copy of them
+    (the other matrices are the params themselves). The same values either way, so the same GEMMs."""
+    return StackedLayer(w.attention_norm, stacked_rows((w.wq, w.wk, w.wv)), w.wo,
+                        w.ffn_norm, stacked_rows((w.w1, w.w3)), w.w2)
+
+
+def stacked_rows(parts) -> np.ndarray:
+    """[parts[0]; parts[1]; ...]: one view of them when they are adjacent (adjacent_rows), else a copy."""
+    view = adjacent_rows(parts)
+    return np.concatenate(parts) if view is None else view
+
+
+def adjacent_rows(parts) -> np.ndarray | None:
+    """[parts[0]; parts[1]; ...] (rows, in) as one view of their memory when they lie next to each
+    other, in order, in one buffer (the same owner: an array, or the object a memoryview exports,
+    such as a mapped file), each C-contiguous with the same dtype and columns; None otherwise (a
+    caller then copies). A check of addresses, no pass over the data. The view holds the first
+    part, and through it the buffer."""
+    first = parts[0]
+    if not all(p.ndim == 2 and p.flags.c_contiguous and p.dtype == first.dtype and p.shape[1] == first.shape[1]
+               for p in parts):
+        return None
+    owner, end = _buffer_owner(first), _address(first) + first.nbytes
+    for p in parts[1:]:
+        if _buffer_owner(p) is not owner or _address(p) != end:
+            return None
+        end += p.nbytes
+    return np.lib.stride_tricks.as_strided(first, (sum(p.shape[0] for p in parts), first.shape[1]), first.strides)
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _buffer_owner(a: np.ndarray):
+    """The object that owns a's memory: the last array of its .base chain, or what a memoryview there
+    views (np.frombuffer makes a memoryview per call, all of one mmap)."""
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a.obj if isinstance(a, memoryview) else a
 
 
 class ScaledRows(NamedTuple):

@@ -51,6 +51,7 @@ import numpy as np
 from .. import memory
 from ..checks import parse_json
 from ..config import LlamaConfig
+from ..engine.layout import FlatLayout
 from ..errors import MissingFileError, NpllamaError
 from ..backend import check_backend_name
 from ..llama import Llama, LoraLlama
@@ -509,7 +510,9 @@ def save(model, path, format: str = "hf", dtype="float32", *, overwrite_checkpoi
         if path.is_dir():
             raise PathInTheWayError(f"{path} is a folder; format='meta' writes one .safetensors file")
         check_save_target(path, format, overwrite_checkpoint)
-        tensors = {n: _cast_for_save(params[n], dname) for n in cfg.param_shapes()}
+        # stored in the engine's flat order, each stack's members adjacent ([wq; wk; wv], [w1; w3]), so a
+        # mapped file's stacks are views for the engine's passes, not copies (engine.stacked.adjacent_rows)
+        tensors = {n: _cast_for_save(params[n], dname) for n in FlatLayout(cfg).slots}
         write_safetensors_atomic(path, tensors, meta)
         return path
     if format == "hf":

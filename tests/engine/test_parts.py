@@ -14,7 +14,7 @@ from npllama import model as reference
 from npllama.engine import attention, fused, passes, shards
 from npllama.engine.layout import FlatLayout
 from npllama.engine.projections import stacked_copy
-from npllama.engine.stacked import ScaledRows
+from npllama.engine.stacked import ScaledRows, adjacent_rows
 from npllama.gradcheck import rel_error
 from npllama.ops import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
                          embedding_backward, embedding_forward, rmsnorm_backward, rmsnorm_forward)
@@ -268,3 +268,41 @@ def test_a_stacked_copy_is_the_scaled_parts_stacked_bit_for_bit(parts, cols, hel
     copy = stacked_copy(scaled, dtype, transposed=transposed)
     assert copy.flags.c_contiguous and copy.dtype == dtype
     assert np.array_equal(copy, expected.T if transposed else expected)
+
+
+@settings(max_examples=40)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.integers(2, 4), st.sampled_from(["none", "gap", "order",
+       "dtype", "columns", "apart", "strided"]), st.booleans())
+def test_adjacent_rows_is_one_view_of_parts_lying_in_order_in_one_buffer_and_none_otherwise(rows, cols, flaw, mapped):
+    """engine.stacked.adjacent_rows: parts cut one after another out of one buffer (an array, or a
+    bytes object read through one memoryview per part, as np.frombuffer reads a mapped file) come back
+    as one view, [p_1; p_2; ...]; a gap between two, parts out of order, another dtype or width, a part
+    of another buffer, or a strided part give None (the caller copies)."""
+    n = sum(rows) * cols
+    values = np.arange(n + cols, dtype=np.float32)
+    raw = values.tobytes()
+    ends = np.cumsum([0] + rows) * cols
+
+    def part(r0, r1, shift=0):
+        if mapped:
+            return np.frombuffer(memoryview(raw), np.float32, (r1 - r0), (r0 + shift) * 4).reshape(-1, cols)
+        return values[r0 + shift:r1 + shift].reshape(-1, cols)
+    parts = [part(a, b) for a, b in zip(ends[:-1], ends[1:])]
+    if flaw != "none" and len(parts) > 1:
+        if flaw == "gap":
+            parts[-1] = part(ends[-2], ends[-1], shift=cols)
+        elif flaw == "order":
+            parts = parts[::-1]
+        elif flaw == "dtype":
+            parts[-1] = parts[-1].view(np.int32)
+        elif flaw == "columns":
+            parts[-1] = parts[-1].reshape(-1, 1)
+        elif flaw == "apart":
+            parts[-1] = parts[-1].copy()
+        else:
+            parts[-1] = values[:2 * parts[-1].size].reshape(-1, cols)[::2]
+        assert adjacent_rows(parts) is None
+        return
+    view = adjacent_rows(parts)
+    assert view is not None and np.shares_memory(view, parts[0])
+    assert np.array_equal(view, np.concatenate(parts)) and view.flags.c_contiguous
