@@ -1,13 +1,15 @@
 """The reference's element-wise ops, fused into fewer passes over 2-D activations (N, D).
 
 Each function here computes what an op of npllama/ops computes, named in its docstring, and
-tests/engine/test_fused.py holds it equal to that op (float64, 1e-12):
+tests/engine/test_parts.py holds it equal to that op (float64, 1e-10 or closer):
 
     row_dot                  sum(a * b) over the last axis, kept: one ufunc call
     rms_rstd                 ops.rmsnorm's r = (mean(x**2) + eps) ** -0.5
     rms_backward             ops.rmsnorm_backward, given x and r, written over dy
     sigmoid                  ops.swiglu.sigmoid, in three passes
     cross_entropy_in_place   ops.cross_entropy_forward and _backward at once, over the logits
+    frozen_output_loss       ops.output_forward, cross_entropy_forward and their backward to the
+                             input, through a frozen output weight, a block of the vocabulary at a time
     add_rows                 ops.embedding_backward's scatter-add, by a one-hot GEMM or a sort
 """
 
@@ -98,6 +100,64 @@ def cross_entropy_in_place(logits, targets, n_valid):
     logits *= scale
     logits[picked_rows, picked_ids] -= logits.dtype.type(1.0 / n_valid)
     return loss, logits
+
+
+def frozen_output_loss(xn, w, targets, n_valid, block_rows):
+    """ops.output_forward, ops.cross_entropy_forward and their backward to xn at once, through an
+    output weight w that takes no gradient (LoRA's frozen classifier), without ever forming the
+    (N, V) logits: the softmax is accumulated over blocks of block_rows rows of w, online, as
+    FlashAttention accumulates its rows.
+
+        z = xn w^T (N, V),  loss = (1/n) sum over valid rows of (lse(z) - z_y),
+        dxn = dloss/dxn = (1/n) (softmax(z) w - w_y) on valid rows, 0 on ignored ones
+
+    Block by block, with z_b = xn w_b^T (N, block) and per row a running max m (from -inf),
+    s = sum exp(z - m) and a = sum exp(z - m) w (N, D), both from 0:
+
+        m' = max(m, rowmax(z_b)),  c = exp(m - m'),  p_b = exp(z_b - m'),
+        s <- c s + rowsum(p_b),     a <- c a + p_b w_b,  m <- m'
+
+    so that in the end lse = m + log(s) and softmax(z) w = a / s; z_y = xn . w_y, a row dot.
+    Each block of w is read once; the two GEMMs a block are (N, D) x (D, block) and (N, block) x
+    (block, D), as fast as whole-row chunks of 128 rows and 1.5x the speed of 48-row ones.
+    xn (N, D) float, w (V, D), targets (N,) ids or -100; n_valid: the batch's valid targets (a
+    shard passes the batch's, so the shards' losses and gradients add up).
+    Returns: loss (python float), dxn (N, D).
+    """
+    N, V = xn.shape[0], w.shape[0]
+    dtype = xn.dtype
+    picked_rows = np.flatnonzero(targets != IGNORE_INDEX)
+    picked_ids = targets[picked_rows]
+    block_rows = min(block_rows, V)
+    m, m_next = np.full((N, 1), -np.inf, dtype), np.empty((N, 1), dtype)
+    s, c = np.zeros((N, 1), dtype), np.empty((N, 1), dtype)
+    a, term = np.zeros_like(xn), np.empty_like(xn)
+    z_block, ones = np.empty((N, block_rows), dtype), np.ones((block_rows, 1), dtype)
+    for v0 in range(0, V, block_rows):
+        w_b = w[v0:v0 + block_rows]
+        z = z_block[:, :w_b.shape[0]]
+        np.matmul(xn, w_b.T, out=z)
+        np.max(z, axis=1, keepdims=True, out=m_next)
+        np.maximum(m_next, m, out=m_next)
+        np.subtract(m, m_next, out=c)
+        np.exp(c, out=c)                                                # the first block: exp(-inf) = 0
+        z -= m_next
+        np.exp(z, out=z)                                                # p_b
+        s *= c
+        s += z @ ones[:w_b.shape[0]]                                    # a matvec, far faster than z.sum(1)
+        a *= c
+        np.matmul(z, w_b, out=term)
+        a += term
+        m, m_next = m_next, m
+    w_y = w[picked_ids]                                                 # (n, D)
+    lse = m[picked_rows, 0] + np.log(s[picked_rows, 0])
+    loss = float((lse - row_dot(xn[picked_rows], w_y)[:, 0]).sum(dtype=np.float64) / n_valid)
+    a /= s
+    a[picked_rows] -= w_y
+    scale = np.zeros((N, 1), dtype=dtype)
+    scale[picked_rows] = 1.0 / n_valid
+    a *= scale
+    return loss, a
 
 
 def add_rows(dst, ids, rows):

@@ -40,7 +40,7 @@ from ..ops import count_valid
 from .attention import BLOCK
 from .block import KV, GradSink, Rotations, Shape, block_backward, block_forward, rotations
 from .cache import DecodeCache
-from .fused import add_rows, cross_entropy_in_place, rms_backward, rms_rstd
+from .fused import add_rows, cross_entropy_in_place, frozen_output_loss, rms_backward, rms_rstd
 from .layout import FlatLayout, stacked_views
 from .lora import adapted_layers
 from .projections import linear_in_place
@@ -77,11 +77,13 @@ def block_layers(params: dict, config: LlamaConfig, dtype, lazy: bool = False):
 
 # ----------------------------------------------------------------------------- training
 
-# Rows of the classifier's logits formed at a time when its weight is frozen (LoRA): 48 x 32000
-# logits are 6 MB, against 16 MB for a whole shard of 128 rows of the 110M shape's batch 4 x 128.
-# Each chunk reads the whole classifier again: measured on that shape (2 December 2026), 64 rows
-# peaked at 630 MB, 48 at 615-620 and 32 at 613-615, for steps 0-3% and 3-6% slower than 64's.
-CLASSIFIER_ROWS = 48
+# Logits a frozen classifier (LoRA) forms at a time: a shard's rows times a block of the vocabulary
+# (fused.frozen_output_loss), at least CLASSIFIER_MIN_BLOCK rows of the weight a block. 2^18 (1 MB of
+# float32) is 128 rows x 2048 of the 110M shape's 32000, where blocks of 1024 to 8192 were within 3%
+# of each other (one thread, 5 December 2026: 123-126 ms a shard against 189 for the 48-row chunks
+# of whole logits rows this replaced, whose every chunk read the whole classifier again).
+CLASSIFIER_BLOCK_ELEMENTS = 1 << 18
+CLASSIFIER_MIN_BLOCK = 256
 
 
 class TrainPass(NamedTuple):
@@ -168,24 +170,21 @@ def _shard_loss_and_grads(p: TrainPass, shard: int, tokens, targets) -> float:
     y = targets.reshape(-1)
     # The chain rule starts here: dloss = 1.0, and the loss divides by the batch's valid targets.
     # Frozen (LoRA), the output weight needs no gradient, so the logits, the step's largest array
-    # (N, V), are made CLASSIFIER_ROWS rows at a time; otherwise whole, for dW_out = dlogits^T xn.
-    # One buffer serves every chunk: a chunk's logits made before the last one's are freed would
-    # hold two chunks at the step's peak.
-    rows = min(CLASSIFIER_ROWS if frozen else len(ids), len(ids))
-    loss, dxn = 0.0, np.empty_like(xn)
-    chunk = np.empty((rows, cfg.vocab_size), dtype=xn.dtype)
-    for r in range(0, len(ids), rows):
-        logits = chunk[:len(ids) - r]                                    # (n, V), n = rows but the last
-        np.matmul(xn[r:r + rows], w_out.T, out=logits)                   # (n, D) -> (n, V)
-        chunk_loss, dlogits = cross_entropy_in_place(logits, y[r:r + rows], p.n_valid)
-        loss += chunk_loss
-        np.matmul(dlogits, w_out, out=dxn[r:r + rows])
-    if not frozen:
+    # (N, V), are never made whole: the softmax is accumulated over blocks of the vocabulary;
+    # otherwise they are, for dW_out = dlogits^T xn.
+    if frozen:
+        block_rows = max(CLASSIFIER_MIN_BLOCK, CLASSIFIER_BLOCK_ELEMENTS // len(ids))
+        loss, dxn = frozen_output_loss(xn, w_out, y, p.n_valid, block_rows)
+    else:
+        logits = xn @ w_out.T                                            # (N, D) -> (N, V)
+        loss, dlogits = cross_entropy_in_place(logits, y, p.n_valid)
+        dxn = dlogits @ w_out
         if cfg.tie_embeddings:
             dw_out = dlogits.T @ xn                                      # kept: the embedding adds into it
         else:
             p.sums.put((L, OUTPUT_SLOT), p.grads[out_name], shard, product(dlogits.T, xn))
-    del chunk, logits, dlogits, xn
+        del logits, dlogits
+    del xn
     dx, dnorm = rms_backward(dxn, x, rstd, norm_w)
     if not frozen:
         p.sums.put((L, NORM_SLOT), p.grads["norm.weight"], shard, value(dnorm))

@@ -28,10 +28,12 @@ def random_adapters(cfg, spec, seed):
 
 @settings(max_examples=30)
 @given(configs(), st.integers(1, 4), targets, st.integers(1, 4), st.integers(1, 12), st.sampled_from([1, 2]),
-       st.integers(0, 10_000), st.sampled_from([1, 5, passes.CLASSIFIER_ROWS]))
-def test_lora_engine_equals_the_reference(cfg, rank, target_list, B, T, workers, seed, classifier_rows):
-    """classifier_rows: the frozen classifier's logits are formed that many rows at a time."""
-    with patch.object(passes, "CLASSIFIER_ROWS", classifier_rows):
+       st.integers(0, 10_000), st.sampled_from([1, 5, passes.CLASSIFIER_MIN_BLOCK]))
+def test_lora_engine_equals_the_reference(cfg, rank, target_list, B, T, workers, seed, classifier_block):
+    """classifier_block: the frozen classifier's softmax is accumulated over blocks of that many rows
+    of its weight (the configs' vocabularies, up to 17, are one block of 256)."""
+    with patch.object(passes, "CLASSIFIER_BLOCK_ELEMENTS", 0), patch.object(passes, "CLASSIFIER_MIN_BLOCK",
+                                                                             classifier_block):
         check_lora_engine(cfg, rank, target_list, B, T, workers, seed)
 
 

@@ -218,6 +218,30 @@ def test_cross_entropy_in_place_equals_the_reference_op():
     assert rel_error(dlogits, expected) < 1e-14 and not dlogits[[1, 4]].any()
 
 
+@settings(max_examples=60)
+@given(st.integers(1, 9), st.integers(1, 40), st.integers(1, 6), st.integers(1, 45), st.sampled_from([1.0, 300.0]),
+       st.integers(0, 10_000))
+def test_a_frozen_classifier_s_loss_by_vocabulary_blocks_equals_the_reference_ops(N, V, D, block_rows, scale, seed):
+    """fused.frozen_output_loss: the loss and dxn of the output projection and the cross-entropy, the
+    softmax accumulated over blocks of block_rows rows of w (any size, the last one short, or one block
+    for all), equal the reference ops' in float64; ignored targets give 0 rows; logits in the hundreds
+    (scale 300) exercise the running max's rescaling, which must neither overflow nor lose them."""
+    from npllama.ops import linear_backward, linear_forward
+    rng = np.random.default_rng(seed)
+    xn, w = rng.standard_normal((N, D)), rng.standard_normal((V, D)) * scale / np.sqrt(D)
+    targets = rng.integers(0, V, N)
+    targets[rng.random(N) < 0.3] = -100
+    targets[0] = V - 1                                               # at least one valid target
+    n_valid = int((targets != -100).sum())
+    logits, linear_cache = linear_forward(xn, w)
+    expected_loss, ce_cache = cross_entropy_forward(logits, targets)
+    expected_dxn, _ = linear_backward(cross_entropy_backward(1.0, ce_cache), linear_cache)
+    loss, dxn = fused.frozen_output_loss(xn, w, targets, n_valid, block_rows)
+    assert loss == pytest.approx(expected_loss, rel=1e-12) and np.isfinite(dxn).all()
+    assert rel_error(dxn, expected_dxn) < 1e-10
+    assert not dxn[targets == -100].any()
+
+
 @pytest.mark.parametrize("vocab", [5, 300])          # the one-hot GEMM and the sorted sums
 def test_embedding_rows_add_up_with_repeated_ids_as_the_reference_op(vocab):
     rng = np.random.default_rng(vocab)
