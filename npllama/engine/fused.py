@@ -8,8 +8,8 @@ tests/engine/test_parts.py holds it equal to that op (float64, 1e-10 or closer):
     rms_backward             ops.rmsnorm_backward, given x and r, written over dy
     sigmoid                  ops.swiglu.sigmoid, in three passes
     cross_entropy_in_place   ops.cross_entropy_forward and _backward at once, over the logits
-    frozen_output_loss       ops.output_forward, cross_entropy_forward and their backward to the
-                             input, through a frozen output weight, a block of the vocabulary at a time
+    frozen_output_loss       ops.linear_forward (the output projection), cross_entropy_forward and
+                             their backward to the input, through a frozen weight, by vocabulary blocks
     add_rows                 ops.embedding_backward's scatter-add, by a one-hot GEMM or a sort
 """
 
@@ -103,10 +103,11 @@ def cross_entropy_in_place(logits, targets, n_valid):
 
 
 def frozen_output_loss(xn, w, targets, n_valid, block_rows):
-    """ops.output_forward, ops.cross_entropy_forward and their backward to xn at once, through an
-    output weight w that takes no gradient (LoRA's frozen classifier), without ever forming the
-    (N, V) logits: the softmax is accumulated over blocks of block_rows rows of w, online, as
-    FlashAttention accumulates its rows.
+    """ops.linear_forward (the output projection), ops.cross_entropy_forward and their backward to xn
+    (ops.cross_entropy_backward, ops.linear_backward's dx) at once, through an output weight w that
+    takes no gradient (LoRA's frozen classifier), without ever forming the (N, V) logits: the
+    softmax is accumulated over blocks of block_rows rows of w, online, as FlashAttention
+    accumulates its rows.
 
         z = xn w^T (N, V),  loss = (1/n) sum over valid rows of (lse(z) - z_y),
         dxn = dloss/dxn = (1/n) (softmax(z) w - w_y) on valid rows, 0 on ignored ones
