@@ -238,7 +238,10 @@ def test_a_frozen_classifier_s_loss_by_vocabulary_blocks_equals_the_reference_op
     expected_dxn, _ = linear_backward(cross_entropy_backward(1.0, ce_cache), linear_cache)
     loss, dxn = fused.frozen_output_loss(xn, w, targets, n_valid, block_rows)
     assert loss == pytest.approx(expected_loss, rel=1e-12) and np.isfinite(dxn).all()
-    assert rel_error(dxn, expected_dxn) < 1e-10
+    # dxn = (softmax(z) w - w_y) / n: where one logit dominates, its two terms cancel to far below
+    # either, so the error is measured against the size of the terms, |w_y| / n
+    terms = np.linalg.norm(w[targets[targets != -100]]) / n_valid
+    assert rel_error(dxn, expected_dxn, floor=terms) < 1e-10
     assert not dxn[targets == -100].any()
 
 
