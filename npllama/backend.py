@@ -6,11 +6,12 @@ RoPE tables (cos, sin):
     backend.forward(params, config, rope, tokens, kv_cache=, start_pos=, mask=, lora=)   -> logits (B, T, V)
     backend.loss_and_grads(params, config, rope, tokens, targets, lora=, checkpointing=) -> (loss, grads)
     backend.optimizer(params, lr=, betas=, eps=, weight_decay=)                           -> an optim.AdamW
-    backend.decoder(params, config, rope, batch_size)                                     -> a Decoder
+    backend.decoder(params, config, rope, batch_size, positions)                          -> a Decoder
 
 and allocates what those read: new_params(config, dtype) (the arrays a new model is drawn
 into), lay_out(params, config, dtype) (given arrays kept as it keeps them) and
-new_kv_cache(config, batch_size, dtype). lora, when given, is a LoraAdapters: the
+new_kv_cache(config, batch_size, dtype, positions) (positions: what the cache holds, at most
+max_seq_len, by default that). lora, when given, is a LoraAdapters: the
 adapters are what trains, params are frozen (npllama/lora.py).
 
 Two backends implement it. ReferenceBackend, here, runs the readable reference and nothing
@@ -76,9 +77,9 @@ class ReferenceDecoder(Decoder):
     is causal, so this equals running the whole sequence again (tests/test_generate.py).
     """
 
-    def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int):
+    def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, positions: int | None = None):
         self.params, self.config, self.rope = params, config, rope
-        self.kv = ReferenceBackend().new_kv_cache(config, batch_size, rope[0].dtype)
+        self.kv = ReferenceBackend().new_kv_cache(config, batch_size, rope[0].dtype, positions)
 
     def prefill(self, tokens, mask):
         logits, _ = model.forward(self.params, self.config, tokens, rope=self.rope, kv_cache=self.kv, mask=mask)
@@ -119,8 +120,9 @@ class ReferenceBackend:
         storage = np.dtype(dtype).name
         return {name: np.ascontiguousarray(to_storage(params.pop(name), storage)) for name in list(params)}
 
-    def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype) -> KVCache:
-        return KVCache(config.n_layers, batch_size, config.n_kv_heads, config.max_seq_len, config.head_dim, dtype)
+    def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype, positions: int | None = None) -> KVCache:
+        return KVCache(config.n_layers, batch_size, config.n_kv_heads, positions or config.max_seq_len, config.head_dim,
+                       dtype)
 
     def forward(self, params, config, rope, tokens, *, kv_cache=None, start_pos=0, mask=None, lora=None,
                 workers=None):
@@ -143,8 +145,8 @@ class ReferenceBackend:
     def optimizer(self, params, **hyper) -> AdamW:
         return AdamW(params, **hyper)
 
-    def decoder(self, params, config, rope, batch_size: int) -> Decoder:
-        return ReferenceDecoder(float_params(params, rope[0].dtype), config, rope, batch_size)
+    def decoder(self, params, config, rope, batch_size: int, positions: int | None = None) -> Decoder:
+        return ReferenceDecoder(float_params(params, rope[0].dtype), config, rope, batch_size, positions)
 
     def decoder_copy_bytes(self, params: dict, dtype) -> int:
         """The bytes a decoder copies of the weights: their float copy when they are held at half precision."""

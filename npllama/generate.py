@@ -169,7 +169,7 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
             seen[b, p] = True
     if max_new_tokens == 0:
         return
-    decoder = model.new_decoder(B)
+    decoder = model.new_decoder(B, _cache_positions(model, prompts, max_new_tokens, sliding_window))
     try:
         tokens, mask, key_ok = _left_padded(context, cfg.max_seq_len)
         logits, pos = decoder.prefill(tokens, mask), tokens.shape[1]
@@ -215,14 +215,23 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
         decoder.close()
 
 
-def _require_memory(model, prompts) -> None:
+def _cache_positions(model, prompts, max_new_tokens: int, sliding_window: bool) -> int:
+    """The positions a generation's cache must hold: the longest prompt (the batch is left-padded
+    to it) and every new token fed back, which is all but the last; every position of max_seq_len
+    when a sliding window may refill it."""
+    if sliding_window:
+        return model.config.max_seq_len
+    return max(len(p) for p in prompts) + max(max_new_tokens, 1) - 1
+
+
+def _require_memory(model, prompts, positions: int) -> None:
     """Refuse, before anything is allocated, a generation whose cache, prefill and decode step
     cannot fit (npllama.memory.generate_bytes)."""
     cfg, B = model.config, len(prompts)
     stacked = model.backend.decoder_copy_bytes(model.params, model.dtype)
     memory.require(memory.generate_bytes(cfg, B, max(len(p) for p in prompts), model.dtype.itemsize, stacked,
-                                         model.backend.scores_in_blocks),
-                   f"generating from {B} prompt(s) with a cache of {cfg.max_seq_len} positions x {cfg.n_layers} layers",
+                                         model.backend.scores_in_blocks, positions),
+                   f"generating from {B} prompt(s) with a cache of {positions} positions x {cfg.n_layers} layers",
                    "fewer prompts at once, shorter prompts, or a smaller max_seq_len")
 
 
@@ -237,7 +246,7 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, r
     for p in prompts:
         _check_length(model, len(p), max_new_tokens, sliding_window)
     rngs = _rngs(seed, len(prompts), temperature)
-    _require_memory(model, prompts)
+    _require_memory(model, prompts, _cache_positions(model, prompts, max_new_tokens, sliding_window))
     return _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p,
                    repetition_penalty, rngs, stop, sliding_window)
 

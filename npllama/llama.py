@@ -164,17 +164,25 @@ class Llama:
         self._require_kv(batch_size)
         return self.backend.new_kv_cache(cfg, batch_size, self.dtype)
 
-    def new_decoder(self, batch_size: int = 1) -> Decoder:
-        """The backend's KV-cached decoder for batch_size rows (backend.Decoder): generate drives it."""
-        self._require_kv(batch_size)
-        return self.backend.decoder(self.params, self.config, self.rope, batch_size)
+    def new_decoder(self, batch_size: int = 1, positions: int | None = None) -> Decoder:
+        """The backend's KV-cached decoder for batch_size rows (backend.Decoder): generate drives it.
+        positions: the most its cache will hold (a generation's prompt and fed tokens), 1 to
+        max_seq_len; None: max_seq_len. A cache only as long as the generation needs is made and
+        faulted in that much faster (110M, 8 rows, 64 new tokens: 3.7-3.8 s against 4.8-5.2)."""
+        if positions is not None:
+            positions = check_int("positions", positions, 1)
+            if positions > self.config.max_seq_len:
+                raise NpllamaError(f"positions={positions} is more than the model's max_seq_len="
+                                   f"{self.config.max_seq_len}")
+        self._require_kv(batch_size, positions)
+        return self.backend.decoder(self.params, self.config, self.rope, batch_size, positions)
 
-    def _require_kv(self, batch_size: int) -> None:
+    def _require_kv(self, batch_size: int, positions: int | None = None) -> None:
         cfg = self.config
         check_int("batch_size", batch_size, 1)
-        memory.require(memory.kv_cache_bytes(cfg, batch_size, self.dtype.itemsize),
-                       f"a KV cache of {batch_size} rows x {cfg.max_seq_len} positions x {cfg.n_layers} layers",
-                       "fewer prompts at once, or a smaller max_seq_len")
+        memory.require(memory.kv_cache_bytes(cfg, batch_size, self.dtype.itemsize, positions),
+                       f"a KV cache of {batch_size} rows x {positions or cfg.max_seq_len} positions x "
+                       f"{cfg.n_layers} layers", "fewer prompts at once, or a smaller max_seq_len")
 
     def forward(self, tokens, kv_cache: KVCache | None = None, start_pos: int = 0, mask=None, workers=None):
         """Logits of every position.

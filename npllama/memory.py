@@ -67,9 +67,11 @@ def model_bytes(config: LlamaConfig, itemsize: int) -> int:
     return config.n_params() * itemsize + rope_bytes(config, itemsize) + INIT_CHUNK_BYTES
 
 
-def kv_cache_bytes(config: LlamaConfig, batch_size: int, itemsize: int) -> int:
-    """The decode cache: keys (L, B, KVH, Dh, S) and values with a ones column (L, B, KVH, S, Dh + 1)."""
-    per_row = config.n_layers * config.n_kv_heads * config.max_seq_len * (2 * config.head_dim + 1)
+def kv_cache_bytes(config: LlamaConfig, batch_size: int, itemsize: int, positions: int | None = None) -> int:
+    """The decode cache: keys (L, B, KVH, Dh, S) and values with a ones column (L, B, KVH, S, Dh + 1),
+    S = positions (a generation's prompt and new tokens; default max_seq_len)."""
+    S = config.max_seq_len if positions is None else positions
+    per_row = config.n_layers * config.n_kv_heads * S * (2 * config.head_dim + 1)
     return batch_size * per_row * itemsize
 
 
@@ -137,9 +139,9 @@ def lora_bytes(config: LlamaConfig, rank: int, targets, itemsize: int) -> int:
 
 
 def generate_bytes(config: LlamaConfig, batch_size: int, prompt_len: int, itemsize: int, stacked_bytes: int,
-                   scores_in_blocks: bool = False) -> int:
+                   scores_in_blocks: bool = False, positions: int | None = None) -> int:
     """Decoding batch_size prompts of up to prompt_len tokens from a model already held: the KV
-    cache; stacked_bytes, the weights' copy the decode step keeps (engine.decode: stacked for small
+    cache of `positions` (default max_seq_len); stacked_bytes, the weights' copy the decode step keeps (engine.decode: stacked for small
     models, none for large ones); the prefill: the reference's forward keeps every layer's caches,
     the attention probabilities (B, H, P, P) whole, and the logits of every position (model.forward
     returns them all); the engine's (scores_in_blocks) runs one layer at a time, its attention in
@@ -156,7 +158,7 @@ def generate_bytes(config: LlamaConfig, batch_size: int, prompt_len: int, itemsi
         layer = activation_bytes(config, batch_size, prompt_len, itemsize) + scores + all_logits
     prefill = layer + batch_size * prompt_len ** 2 + layer_weights
     logits = 6 * batch_size * config.vocab_size * 8
-    return kv_cache_bytes(config, batch_size, itemsize) + stacked_bytes + prefill + logits
+    return kv_cache_bytes(config, batch_size, itemsize, positions) + stacked_bytes + prefill + logits
 
 
 def gradcheck_bytes(config: LlamaConfig, batch_size: int, seq_len: int) -> int:

@@ -57,6 +57,35 @@ def test_decoder_steps_equal_full_recompute(model64, rng, B):
     assert worst < 1e-10, worst
 
 
+@pytest.mark.parametrize("sliding_window", [False, True])
+def test_a_generation_s_cache_holds_the_positions_it_feeds_and_gives_the_same_tokens(model64, monkeypatch,
+                                                                                      sliding_window):
+    """generate's decoder caches the longest prompt plus every new token but the last (the batch is
+    left-padded to that prompt), not max_seq_len, and generates what a max_seq_len cache gives; with a
+    sliding window, which may refill it, every position. Llama.new_decoder refuses other sizes."""
+    from npllama import generate as generation
+    cfg = model64.config
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8]]
+    cached_positions = []                  # each decoder's cache, as made (a decoder drops it on close)
+    new_decoder = model64.new_decoder
+
+    def recorded(batch_size, positions=None):
+        decoder = new_decoder(batch_size, positions)
+        cache = decoder.cache if model64.backend.name == "engine" else decoder.kv
+        cached_positions.append(cache.v.shape[3])                      # v (L, B, KVH, S, ...)
+        return decoder
+    monkeypatch.setattr(model64, "new_decoder", recorded)
+    got = model64.generate_batch(prompts, 5, temperature=0.8, seed=4, sliding_window=sliding_window)
+    assert cached_positions == [cfg.max_seq_len if sliding_window else 6 + 5 - 1]
+    monkeypatch.setattr(generation, "_cache_positions", lambda model, *a: model.config.max_seq_len)
+    assert np.array_equal(got, model64.generate_batch(prompts, 5, temperature=0.8, seed=4,
+                                                      sliding_window=sliding_window))
+    assert cached_positions[-1] == cfg.max_seq_len
+    for bad in (0, cfg.max_seq_len + 1):
+        with pytest.raises(npllama.NpllamaError, match="positions"):
+            new_decoder(1, bad)
+
+
 @pytest.mark.parametrize("backend", ["engine", "reference"])
 def test_decoder_float32_is_close(tiny_config, rng, backend):
     model = npllama.Llama(tiny_config, seed=1, backend=backend)

@@ -51,8 +51,9 @@ class EngineBackend:
             copy_into(view, params.pop(name))
         return flat
 
-    def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype) -> DecodeCache:
-        return DecodeCache(config.n_layers, batch_size, config.n_kv_heads, config.max_seq_len, config.head_dim, dtype)
+    def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype, positions: int | None = None) -> DecodeCache:
+        return DecodeCache(config.n_layers, batch_size, config.n_kv_heads, positions or config.max_seq_len,
+                           config.head_dim, dtype)
 
     def forward(self, params, config, rope, tokens, *, kv_cache=None, start_pos=0, mask=None, lora=None,
                 workers=None) -> np.ndarray:
@@ -67,8 +68,8 @@ class EngineBackend:
     def optimizer(self, params, **hyper) -> FusedAdamW:
         return FusedAdamW(params, **hyper)
 
-    def decoder(self, params, config, rope, batch_size: int) -> EngineDecoder:
-        return EngineDecoder(params, config, rope, batch_size)
+    def decoder(self, params, config, rope, batch_size: int, positions: int | None = None) -> EngineDecoder:
+        return EngineDecoder(params, config, rope, batch_size, positions=positions)
 
     def decoder_copy_bytes(self, params: dict, dtype) -> int:
         """The bytes a decoder copies of the weights: the stacked, norm-folded copies of a small model's

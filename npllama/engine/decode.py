@@ -1,8 +1,10 @@
 """The engine's decoding: a prefill through engine/passes.py, then one token a step, fused.
 
-    decoder = EngineDecoder(params, config, rope, batch_size)   # the backend's Decoder
+    decoder = EngineDecoder(params, config, rope, batch_size, positions=S)   # the backend's Decoder
     logits = decoder.prefill(tokens, mask)                      # (B, P) -> (B, V), cache filled
     logits = decoder.step(ids, pos, key_ok)                     # (B,) at position pos -> (B, V)
+
+(S: the positions its cache holds, at most max_seq_len: a generation's P + new tokens - 1)
 
 DecodeStep is model.forward(params, config, ids[:, None], kv_cache=kv_cache, start_pos=pos)
 with T = 1 (every op of model.block_forward: rmsnorm, the projections, rope, attention,
@@ -189,13 +191,14 @@ def _view(a: np.ndarray, shape) -> np.ndarray:
 
 
 class EngineDecoder(Decoder):
-    """backend.Decoder on the engine: the prefill is engine/passes.forward into a DecodeCache
-    (the last position's logits only), each step a DecodeStep. Owns the helper thread of its
-    few-row GEMMs (projections.RowHalves), ended by close()."""
+    """backend.Decoder on the engine: the prefill is engine/passes.forward into a DecodeCache of
+    `positions` (default max_seq_len; the last position's logits only), each step a DecodeStep.
+    Owns the helper thread of its few-row GEMMs (projections.RowHalves), ended by close()."""
 
-    def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None):
+    def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None,
+                 positions: int | None = None):
         self.params, self.config, self.rope = params, config, rope
-        self.cache = DecodeCache(config.n_layers, batch_size, config.n_kv_heads, config.max_seq_len,
+        self.cache = DecodeCache(config.n_layers, batch_size, config.n_kv_heads, positions or config.max_seq_len,
                                  config.head_dim, rope[0].dtype)
         self.halves = RowHalves()
         self.step_fn = DecodeStep(params, config, rope, batch_size, layout, self.halves)
