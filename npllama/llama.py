@@ -24,7 +24,7 @@ from .checks import check_dtype, check_int
 from .config import LlamaConfig
 from .engine import EngineBackend
 from .engine.layout import FlatLayout
-from .engine.stacked import adjacent_rows
+from .engine.stacked import adjacent_rows, stack_members
 from .errors import NpllamaError
 from .kvcache import KVCache
 from .lora import LoraSpec, adapter_shapes, check_adapters, init_adapters, merge
@@ -297,9 +297,9 @@ def _require_lora(base: Llama, spec: LoraSpec) -> None:
     itemsize = base.dtype.itemsize
     stacks = 0
     if base.backend.name == "engine" and FlatLayout(base.config).base_of(base.params) is None:
-        for w in (layer_weights(base.params, i) for i in range(base.config.n_layers)):
-            for members in ((w.wq, w.wk, w.wv), (w.w1, w.w3)):
-                if members[0].dtype != base.dtype or adjacent_rows(members) is None:
+        for i in range(base.config.n_layers):
+            for members in stack_members(layer_weights(base.params, i)).values():
+                if len(members) > 1 and (members[0].dtype != base.dtype or adjacent_rows(members) is None):
                     stacks += sum(p.size for p in members) * itemsize
     memory.require(memory.lora_bytes(base.config, spec.rank, spec.targets, itemsize) + stacks,
                    f"LoRA adapters of rank {spec.rank} on {','.join(spec.targets)} ({base.config.n_layers} layers)",

@@ -24,6 +24,7 @@ from .decode import EngineDecoder, choose_layout
 from .layout import FlatLayout, flat_params
 from .passes import forward, loss_and_grads
 from .projections import gemv_padded_rows
+from .stacked import stack_members
 from .shards import pass_footprint
 
 
@@ -52,8 +53,7 @@ class EngineBackend:
         return flat
 
     def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype, positions: int | None = None) -> DecodeCache:
-        return DecodeCache(config.n_layers, batch_size, config.n_kv_heads, positions or config.max_seq_len,
-                           config.head_dim, dtype)
+        return DecodeCache.for_config(config, batch_size, dtype, positions)
 
     def forward(self, params, config, rope, tokens, *, kv_cache=None, start_pos=0, mask=None, lora=None,
                 workers=None) -> np.ndarray:
@@ -79,8 +79,7 @@ class EngineBackend:
             return 0
         total, i = 0, 0
         while layer_param_names(i).wq in params:
-            w = layer_weights(params, i)
-            for stack in ((w.wq, w.wk, w.wv), (w.wo,), (w.w1, w.w3), (w.w2,)):
+            for stack in stack_members(layer_weights(params, i)).values():
                 rows = gemv_padded_rows(sum(a.shape[0] for a in stack), stack[0].shape[1])
                 total += rows * stack[0].shape[1] * stack[0].itemsize
             i += 1

@@ -43,6 +43,12 @@ class DecodeCache(KVCache):
         self.v[..., head_dim] = 1.0
         self.length = 0
 
+    @classmethod
+    def for_config(cls, config, batch_size: int, dtype, positions: int | None = None) -> DecodeCache:
+        """A cache for config's model: batch_size rows of `positions` (default max_seq_len)."""
+        return cls(config.n_layers, batch_size, config.n_kv_heads, positions or config.max_seq_len, config.head_dim,
+                   dtype)
+
     def write(self, layer: int, rows: slice, start: int, k, v):
         """Store k, v (b, KVH, T, Dh) of batch rows `rows` at positions start .. start + T - 1.
 

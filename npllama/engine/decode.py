@@ -198,8 +198,7 @@ class EngineDecoder(Decoder):
     def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None,
                  positions: int | None = None):
         self.params, self.config, self.rope = params, config, rope
-        self.cache = DecodeCache(config.n_layers, batch_size, config.n_kv_heads, positions or config.max_seq_len,
-                                 config.head_dim, rope[0].dtype)
+        self.cache = DecodeCache.for_config(config, batch_size, rope[0].dtype, positions)
         self.halves = RowHalves()
         self.step_fn = DecodeStep(params, config, rope, batch_size, layout, self.halves)
 

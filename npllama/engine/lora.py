@@ -27,10 +27,9 @@ import numpy as np
 from ..config import LlamaConfig
 from ..lora import LoraSpec, weight_name
 from .shards import product
-from .stacked import StackedLayer
+from .stacked import STACK_MEMBERS, StackedLayer
 
 # The members of each stacked projection, in their row order (engine/stacked.py).
-STACK_MEMBERS = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w13": ("w1", "w3"), "w2": ("w2",)}
 # shards.ShardSums slots of a stack's adapter gradients: dA at base, each dB_j at base + 1 + j,
 # clear of the block's slots (engine/block.py SLOTS) and the model's (engine/passes.py).
 _SLOT_BASE = 16

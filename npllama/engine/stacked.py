@@ -18,6 +18,15 @@ from ..model import LayerWeights
 from .upcast import upcast
 
 
+# Each StackedLayer projection's members, LayerWeights fields stacked by rows in this order.
+STACK_MEMBERS = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w13": ("w1", "w3"), "w2": ("w2",)}
+
+
+def stack_members(w: LayerWeights) -> dict:
+    """{StackedLayer projection: the tuple of w's arrays stacked into it}, STACK_MEMBERS' order."""
+    return {field: tuple(getattr(w, m) for m in members) for field, members in STACK_MEMBERS.items()}
+
+
 class StackedLayer(NamedTuple):
     """One block's weights as the engine uses them."""
     attention_norm: np.ndarray   # (D,)
@@ -32,8 +41,9 @@ def stack_layer(w: LayerWeights) -> StackedLayer:
     """Stack [wq; wk; wv] and [w1; w3]: views when each stack's members lie next to each other in one
     buffer (adjacent_rows: a file written in FlatLayout's order and mapped), else a copy of them
     (the other matrices are the params themselves). The same values either way, so the same GEMMs."""
-    return StackedLayer(w.attention_norm, stacked_rows((w.wq, w.wk, w.wv)), w.wo,
-                        w.ffn_norm, stacked_rows((w.w1, w.w3)), w.w2)
+    stacks = stack_members(w)
+    return StackedLayer(w.attention_norm, stacked_rows(stacks["wqkv"]), w.wo,
+                        w.ffn_norm, stacked_rows(stacks["w13"]), w.w2)
 
 
 def stacked_rows(parts) -> np.ndarray:
