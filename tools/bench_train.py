@@ -4,6 +4,7 @@
     python tools/bench_train.py --configs b c        # some of them
     python tools/bench_train.py --quick              # small shapes, under 60 s (CI)
     python tools/bench_train.py --no-memory --rounds 9
+    python tools/bench_train.py --configs k --kept-loop --no-memory    # and the library loop kept
 
 A step is forward, backward, gradient clipping (norm 1.0) and the AdamW update (decay on
 matrices only), through npllama's two ways of training:
@@ -15,6 +16,9 @@ matrices only), through npllama's two ways of training:
                     it; in a process of its own, since glibc, once told its thresholds, no longer
                     raises them by itself: a process that held freed_memory_kept is not the one a
                     library user starts with
+    npllama kept    (with --kept-loop) the library user's loop inside engine.freed_memory_kept(),
+                    held from before the model is made, as docs/training.md suggests for a
+                    large model's loop
 
 PyTorch's (tools/torch_llama.py, scaled_dot_product_attention) does the same with
 torch.optim.AdamW in two parameter groups and clip_grad_norm_, from the same initial weights and
@@ -82,6 +86,7 @@ QUICK_CONFIGS = {
 HYPER = dict(lr=1e-4, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
 NPLLAMA_SIDES = ("npllama", "npllama train")
+KEPT_LOOP = "npllama kept"
 
 
 def batch(cfg, B, T, seed=0):
@@ -155,11 +160,12 @@ class StepWorker:
 
 def step_worker(side, name, quick):
     """Runs in its own process: one step of the side per line read (`npllama train`'s inside
-    freed_memory_kept, as a run holds it; the library loop's as a user's script runs it)."""
+    freed_memory_kept, as a run holds it; the library loop's as a user's script runs it, or inside
+    freed_memory_kept for the KEPT_LOOP side)."""
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     train = side == "npllama train"
-    with freed_memory_kept() if train else nullcontext():
+    with freed_memory_kept() if train or side == KEPT_LOOP else nullcontext():
         step = (train_command_step if train else library_step)(npllama.Llama(cfg, seed=0), *batch(cfg, B, T))
         print("ready", flush=True)
         for _ in sys.stdin:
@@ -167,14 +173,15 @@ def step_worker(side, name, quick):
             print("done", flush=True)
 
 
-def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2):
-    """{setting: median seconds per step} over interleaved rounds (module docstring)."""
+def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2, kept_loop=False):
+    """{setting: median seconds per step} over interleaved rounds (module docstring); kept_loop
+    adds the KEPT_LOOP side."""
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     tokens, targets = batch(cfg, B, T)
     workers, per_turn = [], {}
     try:
-        for side in ("npllama", "npllama train"):
+        for side in (*NPLLAMA_SIDES, *([KEPT_LOOP] if kept_loop else [])):
             workers.append(StepWorker(side, name, quick))
         steps = {worker.side: worker for worker in workers}
         if use_torch:
@@ -253,7 +260,8 @@ def report(name, cfg, B, T, times, peaks, loads, use_torch):
               f"roofline {roofline(flops / seconds, peaks)}")
     if use_torch:
         t_name = min((n for n in times if n.startswith("torch")), key=times.get)
-        print("  speed   " + ", ".join(f"{side} / torch {times[t_name] / times[side]:.2f}" for side in NPLLAMA_SIDES)
+        print("  speed   " + ", ".join(f"{side} / torch {times[t_name] / times[side]:.2f}"
+                                      for side in times if side.startswith("npllama"))
               + f" (torch's best: {t_name})", flush=True)
 
 
@@ -284,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--turn", type=float, default=None, help="seconds per side per round (default 1.0, quick 0.2)")
     ap.add_argument("--no-memory", action="store_true", help="speed only")
     ap.add_argument("--no-torch", action="store_true", help="npllama only")
+    ap.add_argument("--kept-loop", action="store_true",
+                    help="also time the library loop inside engine.freed_memory_kept() (speed only)")
     ap.add_argument("--memory-probe", nargs=2, metavar=("SIDE", "CFG"), help=argparse.SUPPRESS)
     ap.add_argument("--step-worker", nargs=2, metavar=("SIDE", "CFG"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -305,7 +315,8 @@ def main(argv=None) -> int:
     for name, (kw, B, T) in configs.items():
         cfg = npllama.LlamaConfig(**kw)
         load_before = load_averages()
-        times = measure_speed(name, args.quick, rounds, turn, use_torch, warmup=1 if args.quick else 2)
+        times = measure_speed(name, args.quick, rounds, turn, use_torch, warmup=1 if args.quick else 2,
+                              kept_loop=args.kept_loop)
         report(name, cfg, B, T, times, peaks, (load_before, load_averages()), use_torch)
         if args.no_memory:
             continue
