@@ -221,7 +221,8 @@ class Llama:
         """Mean cross-entropy of the targets (ignoring -100) and its gradient for every parameter.
 
         tokens, targets: (B, T) ints. Returns (loss: float, grads: dict keyed and shaped like params,
-            new arrays every call (on the engine, views of one new flat array)).
+            new arrays every call (on the engine, views of one flat array: an array of an earlier
+            call that nothing holds any more, no view of it alive, or a new one; engine/layout.py)).
         workers: the engine's threads sharing contiguous shards of the batch rows (default: one per
             CPU core, at most B; one for small steps); see npllama.engine.passes. The shards' terms
             are summed in a fixed order, so a call gives the same bits whatever the threads'

@@ -9,6 +9,7 @@ instead of a hundred arrays, and the decayed matrices, which come first, form on
     layout = FlatLayout(config)
     params = layout.views(layout.new(np.float32))      # {Meta name: view}, config.param_shapes() order
     layout.stacked(params, i)                          # block i as a StackedLayer of views
+    gradient_array(layout, params, np.float32)         # a training pass's gradients: reused when free
 
 Order in the array: tok_embeddings, then per block wq, wk, wv, wo, w1, w3, w2, then output
 (untied), then every norm weight (the ones AdamW never decays). Built from the reference's own
@@ -18,6 +19,9 @@ tables (config.param_shapes, model.layer_param_names), so names and shapes are d
 from __future__ import annotations
 
 import math
+import sys
+import threading
+import weakref
 
 import numpy as np
 
@@ -108,3 +112,39 @@ def stacked_views(params: dict, config: LlamaConfig) -> list[StackedLayer] | Non
     layout = FlatLayout(config)
     flat = layout.base_of(params)
     return None if flat is None else [layout.stacked(flat, i) for i in range(config.n_layers)]
+
+
+# Gradient arrays kept per model for reuse: a step's new gradient array is one mapping of fresh
+# pages (330 MB at the 83M cfg k of tools/bench_train.py), and this VM faults fresh pages in slowly
+# (huge pages zeroed, memory compacted): a library loop's steps ran 8-9% slower than `npllama
+# train`'s, which glibc served from its kept heap. Two: a loop holds the last step's gradients
+# (`loss, grads = ...`) while the next call runs.
+KEPT_GRADIENT_ARRAYS = 2
+_kept: dict[int, tuple[weakref.ref, list]] = {}     # id(params' flat array) -> (its weakref, arrays)
+_kept_lock = threading.Lock()
+
+
+def gradient_array(layout: FlatLayout, params: dict, dtype) -> np.ndarray:
+    """An uninitialised flat array for the gradients of `params`: one this returned for the same
+    parameters before that nothing else holds any more (no view of it alive anywhere), or a new
+    one. Up to KEPT_GRADIENT_ARRAYS are kept while the parameters' flat array lives, and go with
+    it; parameters that are not views of one flat array get a new array every call."""
+    owner = layout.base_of(params)
+    dtype = np.dtype(dtype)
+    if owner is None:
+        return layout.new(dtype)
+    with _kept_lock:
+        key = id(owner)
+        entry = _kept.get(key)
+        if entry is None or entry[0]() is not owner:
+            entry = (weakref.ref(owner, lambda _, key=key: _kept.pop(key, None)), [])
+            _kept[key] = entry
+        arrays = entry[1]
+        for i in range(len(arrays)):
+            # 2: the list's reference and getrefcount's argument; a view held anywhere adds one
+            if arrays[i].size == layout.size and arrays[i].dtype == dtype and sys.getrefcount(arrays[i]) == 2:
+                arrays.append(arrays.pop(i))
+                return arrays[-1]
+        arrays.append(layout.new(dtype))
+        del arrays[:-KEPT_GRADIENT_ARRAYS]
+        return arrays[-1]

@@ -12,7 +12,8 @@ of the engine, whatever the pass:
     in a fixed order (ShardSums), so a step gives the same bits whatever the threads' timing.
   - Flat arrays (engine/layout.py): when the parameters are views of one array (npllama.Llama
     allocates them so), the stacks [wq; wk; wv] and [w1; w3] are views too, and the gradients
-    are views of one new flat array that the stacked dW GEMMs write directly. Other parameters
+    are views of one flat array that the stacked dW GEMMs write directly (an earlier call's
+    that nothing holds any more, or a new one: layout.gradient_array). Other parameters
     (a loaded file's) are stacked into copies for the call.
   - LoRA (lora given: engine/lora.py): the same pass on frozen stacks with adapters; no
     gradient of the output layer, the norms or the embedding is formed.
@@ -41,7 +42,7 @@ from .attention import BLOCK
 from .block import KV, GradSink, Rotations, Shape, block_backward, block_forward, rotations
 from .cache import DecodeCache
 from .fused import add_rows, cross_entropy_in_place, frozen_output_loss, rms_backward, rms_rstd
-from .layout import FlatLayout, stacked_views
+from .layout import FlatLayout, gradient_array, stacked_views
 from .lora import adapted_layers
 from .projections import linear_in_place
 from .settings import adapt_malloc_once, blas_threads
@@ -115,7 +116,7 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     probabilities, attention output or sigmoid, whatever keep_probs says): its goal is memory
     (the base's weights, frozen, are its only other large arrays).
     checkpointing: gradient checkpointing (module docstring).
-    Returns: loss (python float), grads keyed like params (views of one new flat array), or
+    Returns: loss (python float), grads keyed like params (views of one flat array, layout.gradient_array), or
     like lora's adapters.
     """
     n_valid = count_valid(targets)
@@ -125,7 +126,7 @@ def loss_and_grads(params: dict, config: LlamaConfig, rope, tokens, targets, *, 
     dtype = rope[0].dtype
     if lora is None:
         layout = FlatLayout(config)
-        flat_grads = layout.new(dtype)
+        flat_grads = gradient_array(layout, params, dtype)     # reused once nothing holds it (layout.py)
         grads = layout.views(flat_grads)
         dlayers = [layout.stacked(flat_grads, i) for i in range(config.n_layers)]
         layers = block_layers(params, config, dtype)
