@@ -17,8 +17,7 @@ matrices only), through npllama's two ways of training:
                     raises them by itself: a process that held freed_memory_kept is not the one a
                     library user starts with
     npllama kept    (with --kept-loop) the library user's loop inside engine.freed_memory_kept(),
-                    held from before the model is made, as docs/training.md suggests for a
-                    large model's loop
+                    held from before the model is made, as `npllama train` holds it
 
 PyTorch's (tools/torch_llama.py, scaled_dot_product_attention) does the same with
 torch.optim.AdamW in two parameter groups and clip_grad_norm_, from the same initial weights and
