@@ -121,8 +121,8 @@ class ReferenceBackend:
         return {name: np.ascontiguousarray(to_storage(params.pop(name), storage)) for name in list(params)}
 
     def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype, positions: int | None = None) -> KVCache:
-        return KVCache(config.n_layers, batch_size, config.n_kv_heads, positions or config.max_seq_len, config.head_dim,
-                       dtype)
+        return KVCache(config.n_layers, batch_size, config.n_kv_heads, config.cache_positions(positions),
+                       config.head_dim, dtype)
 
     def forward(self, params, config, rope, tokens, *, kv_cache=None, start_pos=0, mask=None, lora=None,
                 workers=None):

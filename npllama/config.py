@@ -78,6 +78,11 @@ class LlamaConfig:
         """R: query heads sharing one key/value head (llama2.c's kv_mul)."""
         return self.n_heads // self.n_kv_heads
 
+    def cache_positions(self, positions: int | None = None) -> int:
+        """S, the positions a KV cache holds: `positions` when given (a generation's prompt and fed
+        tokens), else max_seq_len."""
+        return self.max_seq_len if positions is None else positions
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's Meta name and shape, in a fixed order (init and file layouts use it)."""
         D, F, V, Dh = self.dim, self.hidden_dim, self.vocab_size, self.head_dim

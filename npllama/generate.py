@@ -153,8 +153,9 @@ def _left_padded(context: list[list[int]], max_seq_len: int):
 
 
 def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, top_k, top_p, min_p,
-            repetition_penalty, rngs, stop: frozenset, sliding_window: bool) -> Iterator[np.ndarray]:
-    """Yield the ids sampled for all rows at each step (B,); -1 marks a row that has stopped."""
+            repetition_penalty, rngs, stop: frozenset, sliding_window: bool, positions: int) -> Iterator[np.ndarray]:
+    """Yield the ids sampled for all rows at each step (B,); -1 marks a row that has stopped.
+    positions: what the decoder's cache holds (_cache_positions)."""
     cfg = model.config
     B, V = len(prompts), cfg.vocab_size
     # weights memory-mapped from a file: checked unchanged before the prefill and every
@@ -169,7 +170,7 @@ def _decode(model, prompts: list[np.ndarray], max_new_tokens: int, temperature, 
             seen[b, p] = True
     if max_new_tokens == 0:
         return
-    decoder = model.new_decoder(B, _cache_positions(model, prompts, max_new_tokens, sliding_window))
+    decoder = model.new_decoder(B, positions)
     try:
         tokens, mask, key_ok = _left_padded(context, cfg.max_seq_len)
         logits, pos = decoder.prefill(tokens, mask), tokens.shape[1]
@@ -246,9 +247,10 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p, r
     for p in prompts:
         _check_length(model, len(p), max_new_tokens, sliding_window)
     rngs = _rngs(seed, len(prompts), temperature)
-    _require_memory(model, prompts, _cache_positions(model, prompts, max_new_tokens, sliding_window))
+    positions = _cache_positions(model, prompts, max_new_tokens, sliding_window)
+    _require_memory(model, prompts, positions)
     return _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, min_p,
-                   repetition_penalty, rngs, stop, sliding_window)
+                   repetition_penalty, rngs, stop, sliding_window, positions)
 
 
 def generate_stream(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0,

@@ -181,7 +181,7 @@ class Llama:
         cfg = self.config
         check_int("batch_size", batch_size, 1)
         memory.require(memory.kv_cache_bytes(cfg, batch_size, self.dtype.itemsize, positions),
-                       f"a KV cache of {batch_size} rows x {positions or cfg.max_seq_len} positions x "
+                       f"a KV cache of {batch_size} rows x {cfg.cache_positions(positions)} positions x "
                        f"{cfg.n_layers} layers", "fewer prompts at once, or a smaller max_seq_len")
 
     def forward(self, tokens, kv_cache: KVCache | None = None, start_pos: int = 0, mask=None, workers=None):

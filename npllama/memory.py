@@ -70,8 +70,7 @@ def model_bytes(config: LlamaConfig, itemsize: int) -> int:
 def kv_cache_bytes(config: LlamaConfig, batch_size: int, itemsize: int, positions: int | None = None) -> int:
     """The decode cache: keys (L, B, KVH, Dh, S) and values with a ones column (L, B, KVH, S, Dh + 1),
     S = positions (a generation's prompt and new tokens; default max_seq_len)."""
-    S = config.max_seq_len if positions is None else positions
-    per_row = config.n_layers * config.n_kv_heads * S * (2 * config.head_dim + 1)
+    per_row = config.n_layers * config.n_kv_heads * config.cache_positions(positions) * (2 * config.head_dim + 1)
     return batch_size * per_row * itemsize
 
 
@@ -141,8 +140,8 @@ def lora_bytes(config: LlamaConfig, rank: int, targets, itemsize: int) -> int:
 def generate_bytes(config: LlamaConfig, batch_size: int, prompt_len: int, itemsize: int, stacked_bytes: int,
                    scores_in_blocks: bool = False, positions: int | None = None) -> int:
     """Decoding batch_size prompts of up to prompt_len tokens from a model already held: the KV
-    cache of `positions` (default max_seq_len); stacked_bytes, the weights' copy the decode step keeps (engine.decode: stacked for small
-    models, none for large ones); the prefill: the reference's forward keeps every layer's caches,
+    cache of `positions` (default max_seq_len); stacked_bytes, the weights' copy the decode step
+    keeps (engine.decode: stacked for small models, none for large ones); the prefill: the reference's forward keeps every layer's caches,
     the attention probabilities (B, H, P, P) whole, and the logits of every position (model.forward
     returns them all); the engine's (scores_in_blocks) runs one layer at a time, its attention in
     query blocks (running_layer_bytes); its mask, and a layer's weights stacked or upcast; each

@@ -46,7 +46,7 @@ class DecodeCache(KVCache):
     @classmethod
     def for_config(cls, config, batch_size: int, dtype, positions: int | None = None) -> DecodeCache:
         """A cache for config's model: batch_size rows of `positions` (default max_seq_len)."""
-        return cls(config.n_layers, batch_size, config.n_kv_heads, positions or config.max_seq_len, config.head_dim,
+        return cls(config.n_layers, batch_size, config.n_kv_heads, config.cache_positions(positions), config.head_dim,
                    dtype)
 
     def write(self, layer: int, rows: slice, start: int, k, v):
