@@ -148,3 +148,12 @@ def gradient_array(layout: FlatLayout, params: dict, dtype) -> np.ndarray:
         arrays.append(layout.new(dtype))
         del arrays[:-KEPT_GRADIENT_ARRAYS]
         return arrays[-1]
+
+
+def release_gradient_arrays(params: dict) -> None:
+    """Stop keeping gradient arrays for `params` (those still held elsewhere live on with their holders)."""
+    owner = next(iter(params.values()), None)
+    owner = getattr(owner, "base", None)
+    with _kept_lock:
+        if owner is not None:
+            _kept.pop(id(owner), None)

@@ -51,6 +51,7 @@ import numpy as np
 from .. import memory, work
 from ..config import LlamaConfig
 from ..engine import freed_memory_kept
+from ..engine.layout import release_gradient_arrays
 from ..errors import NpllamaError, describe_os_error
 from ..interrupts import StopRequest
 from ..io import save
@@ -84,6 +85,16 @@ def train_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: fl
     value is returned: the caller decides to stop. Over several ranks (train/distributed.py) each computes its
     rows of every micro-batch, weighted by its share of the targets, and one Allreduce sums them.
     """
+    try:
+        return _accumulate_and_step(model, optimizer, batches, lr, grad_clip, world)
+    finally:
+        # A run keeps glibc's freed memory (freed_memory_kept), which its evaluations and checkpoints
+        # reuse; gradient arrays kept for the next call would sit beside them (engine/layout.py).
+        release_gradient_arrays(optimizer.params)              # the model's params
+
+
+def _accumulate_and_step(model: Llama, optimizer: AdamW, batches, lr: float, grad_clip: float,
+                         world: World) -> tuple[float, float]:
     total_loss, grads, n = 0.0, None, 0
     for x, y in batches:
         x, y, share = world.shard(x, y)

@@ -75,3 +75,13 @@ def test_parameters_not_in_one_flat_array_get_a_new_array_every_call():
     first = weakref.ref(base(grads))
     del grads
     assert first() is None                                        # nothing kept it
+
+
+def test_a_run_s_step_keeps_no_gradient_array_for_its_evaluations():
+    from npllama.train.loop import train_step
+    model = npllama.Llama(CONFIG, seed=0)
+    owner = id(model.params["tok_embeddings.weight"].base)
+    train_step(model, model.optimizer(), [batch(0), batch(1)], 1e-3, 1.0)     # two micro-batches: two arrays
+    assert owner not in layout_module._kept
+    model.loss_and_grads(*batch(2))                                 # a library call keeps them again
+    assert owner in layout_module._kept
