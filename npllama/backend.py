@@ -9,7 +9,8 @@ RoPE tables (cos, sin):
     backend.decoder(params, config, rope, batch_size, positions)                          -> a Decoder
 
 and allocates what those read: new_params(config, dtype) (the arrays a new model is drawn
-into), lay_out(params, config, dtype) (given arrays kept as it keeps them) and
+into), lay_out(params, config, dtype, release) (given arrays kept as it keeps them; release(part)
+hears of each part of a source once converted) and
 new_kv_cache(config, batch_size, dtype, positions) (positions: what the cache holds, at most
 max_seq_len, by default that). lora, when given, is a LoraAdapters: the
 adapters are what trains, params are frozen (npllama/lora.py).
@@ -34,7 +35,7 @@ from .errors import NpllamaError
 from .kvcache import KVCache
 from .lora import LoraSpec
 from .optim import AdamW
-from .storage import is_half, storage_name_of, to_float, to_storage
+from .storage import copy_into, is_half, storage_name_of, to_float
 
 
 class LoraAdapters(NamedTuple):
@@ -113,12 +114,20 @@ class ReferenceBackend:
         """Uninitialised arrays of every parameter, each its own array."""
         return {name: np.empty(shape, dtype=dtype) for name, shape in config.param_shapes().items()}
 
-    def lay_out(self, params: dict, config: LlamaConfig, dtype) -> dict:
+    def lay_out(self, params: dict, config: LlamaConfig, dtype, release=None) -> dict:
         """params (held in any storage dtype) as this backend keeps a model's arrays in dtype, each
         dropped from `params` once converted: the reference keeps each array as its own, converted
-        when its dtype differs (a backend with a layout of its own converts each straight into it)."""
-        storage = np.dtype(dtype).name
-        return {name: np.ascontiguousarray(to_storage(params.pop(name), storage)) for name in list(params)}
+        when its dtype differs (a backend with a layout of its own converts each straight into it).
+        release: None, or called with each part of a converted array once copied (storage.copy_into)."""
+        held = {}
+        for name in list(params):
+            source = params.pop(name)
+            if source.dtype == dtype:
+                held[name] = np.ascontiguousarray(source)
+            else:
+                held[name] = np.empty(source.shape, dtype)
+                copy_into(held[name], source, release)
+        return held
 
     def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype, positions: int | None = None) -> KVCache:
         return KVCache(config.n_layers, batch_size, config.n_kv_heads, config.cache_positions(positions),

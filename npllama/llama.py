@@ -95,13 +95,15 @@ class Llama:
 
     @classmethod
     def from_params(cls, config: LlamaConfig, params: dict, dtype=None, backend: str = "engine",
-                    adopt: bool = False) -> "Llama":
+                    adopt: bool = False, release=None) -> "Llama":
         """A model holding the given arrays, converted to dtype (default: their own dtype when it is
         one npllama holds, else float32). Mapped arrays (a memory-mapped file) and half-held ones are
         used where they are; arrays in memory are laid out as the backend keeps a model's (the
         engine's one flat array, which its training pass reads without copies), which copies them
         unless they are laid out so already. adopt=True hands the dict over (npllama.load does): its
         arrays are moved out one by one as they are laid out, so the two copies never coexist.
+        release: None, or called with each part of a given array once it is converted (a view;
+        npllama.load hands the file's pages of that part back).
 
         dtype np.float16 or "bfloat16" holds the weights at half precision, half the memory of
         float32 (bfloat16 as its raw bits, uint16 arrays: npllama.storage); such a model computes
@@ -130,14 +132,15 @@ class Llama:
         compute = compute_dtype_of(storage)
         copies = sum(memory.array_bytes(np.size(params[n]), nbytes_per_element(storage)) for n in expected
                      if not (isinstance(params[n], np.ndarray) and storage_name_of(params[n]) == storage))
-        # arrays in memory are laid out as the backend's new ones (the engine's one flat array, which
-        # its training pass needs), each converted straight into it; mapped or half-held ones stay
-        # where they are
-        relayout = not is_half(storage) and not any(is_mapped(params[n]) for n in expected)
+        # arrays are laid out as the backend's new ones (the engine's one flat array, which its
+        # training pass needs), each converted straight into it, unless some are a mapped file's
+        # arrays held as they are, or the model is half-held: those stay where they are
+        relayout = not is_half(storage) and not any(is_mapped(params[n]) and storage_name_of(params[n]) == storage
+                                                    for n in expected)
         if relayout and backend.name == "engine":      # the flat array, the one copy whatever the dtypes
             copies = memory.array_bytes(config.n_params(), compute.itemsize)
-            if adopt:       # handed over: each array freed once copied, the one being copied alive beside it
-                sources = sum(getattr(params[n], "nbytes", 0) for n in expected)
+            if adopt:       # handed over: each array in memory freed once copied, the one being copied alive beside it
+                sources = sum(getattr(params[n], "nbytes", 0) for n in expected if not is_mapped(params[n]))
                 copies = max(0, copies - sources) + memory.array_bytes(max(map(np.size, params.values())),
                                                                        compute.itemsize)
         memory.require(copies + memory.rope_bytes(config, compute.itemsize),
@@ -145,9 +148,9 @@ class Llama:
                        "a smaller max_seq_len (npllama.load(..., max_seq_len=N)), or weights held in float16")
         take = params.pop if adopt else params.__getitem__
         if relayout:                                       # each array dropped once copied into the layout
-            held = backend.lay_out({n: np.asarray(take(n)) for n in expected}, config, compute)
+            held = backend.lay_out({n: np.asarray(take(n)) for n in expected}, config, compute, release)
         else:
-            held = {n: np.ascontiguousarray(to_storage(np.asarray(take(n)), storage)) for n in expected}
+            held = {n: _held_as(np.asarray(take(n)), storage, release) for n in expected}
         model = cls.__new__(cls)
         model._setup(config, held, compute, backend)
         return model
@@ -272,6 +275,14 @@ class Llama:
         held = f", storage_dtype={self.storage_dtype}" if self.storage_dtype != self.dtype.name else ""
         return (f"Llama({self.config}, dtype={self.dtype.name}{held}, backend={self.backend.name}, "
                 f"params={self.n_params():,})")
+
+
+def _held_as(source: np.ndarray, storage: str, release) -> np.ndarray:
+    """source held as `storage` (itself when it is already), release told of it once converted."""
+    held = np.ascontiguousarray(to_storage(source, storage))
+    if release is not None and held is not source:
+        release(source)
+    return held
 
 
 def is_mapped(a) -> bool:

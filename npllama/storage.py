@@ -95,9 +95,26 @@ def to_storage(arr: np.ndarray, storage: str) -> np.ndarray:
         return arr.astype(storage, copy=False)
 
 
-def copy_into(out: np.ndarray, arr: np.ndarray) -> None:
-    """out[...] = a held weight (any storage dtype) as out's float dtype: cast element by element
-    straight into out, so no whole converted copy is made (bfloat16 bits go through one: shifted in place)."""
+def copy_into(out: np.ndarray, arr: np.ndarray, done=None) -> None:
+    """out[...] = a held weight (any storage dtype) as out's float dtype, a block of leading rows
+    (about _CHUNK elements) at a time, each cast element by element straight into out: no whole
+    converted copy is made (bfloat16 bits go through a block's temporary, shifted in place).
+
+    done: None, or called with each block of arr (a view) once it is copied: npllama.load hands
+    the file's pages of the block back there, so a converting load holds one block of the file
+    beside the converted weights, not a whole tensor of it."""
+    if arr.ndim == 0 or len(arr) == 0:
+        blocks = [...]
+    else:
+        rows = max(1, _CHUNK // max(1, arr[0].size))
+        blocks = [slice(start, start + rows) for start in range(0, len(arr), rows)]
+    for block in blocks:
+        _cast_into(out[block], arr[block])
+        if done is not None:
+            done(arr[block])
+
+
+def _cast_into(out: np.ndarray, arr: np.ndarray) -> None:
     if arr.dtype == BFLOAT16_BITS:
         wide = arr.astype(np.uint32)
         wide <<= 16                         # bfloat16_to_float32, with one temporary instead of two

@@ -38,18 +38,19 @@ class EngineBackend:
         """Uninitialised parameters as views of one new flat array (layout.FlatLayout order)."""
         return flat_params(config, dtype)
 
-    def lay_out(self, params: dict, config: LlamaConfig, dtype) -> dict:
+    def lay_out(self, params: dict, config: LlamaConfig, dtype, release=None) -> dict:
         """params (held in any storage dtype) as views of one flat array of dtype: themselves when
         they are already, else each converted straight into a new one (storage.copy_into) and
         dropped from `params` once copied (so, when nothing else holds them, a model's two copies
-        never coexist whole, nor does a whole converted copy beside them)."""
+        never coexist whole, nor does a whole converted copy beside them). release: None, or
+        called with each part of a source once copied (npllama.load hands back its file pages)."""
         layout = FlatLayout(config)
         base = layout.base_of(params)
         if base is not None and base.dtype == dtype:
             return params
         flat = layout.views(layout.new(dtype))
         for name, view in flat.items():
-            copy_into(view, params.pop(name))
+            copy_into(view, params.pop(name), release)
         return flat
 
     def new_kv_cache(self, config: LlamaConfig, batch_size: int, dtype, positions: int | None = None) -> DecodeCache:

@@ -108,7 +108,7 @@ class Loaded(NamedTuple):
 
 
 def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig, storage: str, *, strict: bool,
-                   source: str, hf_config: bool, mapped: bool) -> tuple[dict, list, LoadFootprint]:
+                   source: str, hf_config: bool, mapped: bool, widen_later: bool = False) -> tuple[dict, list, LoadFootprint]:
     """Rename to Meta, check config and shapes, un-permute HF q/k, hold as `storage`.
 
     Returns (params, notes, footprint).
@@ -117,6 +117,10 @@ def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig,
     read_llama2c; `mapped` says which); codes: their safetensors dtype codes. A tensor already
     held as `storage` stays a view of the file's buffer; every other one is converted on its own
     and its pages released, so the load never holds two full copies of the weights.
+    widen_later: a tensor to be widened (float16 or bfloat16 held as float32, float32 as float64)
+    and not permuted is returned as stored, checked finite, for Llama.from_params to convert
+    straight into the model's layout (load): then only a block of the file is held beside the
+    converted weights, not a whole converted tensor. Else every array returned is held as `storage`.
     """
     notes = []
     if is_training_checkpoint(metadata):
@@ -198,13 +202,15 @@ def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig,
         t = renamed[n]
         if codes[file_name[n]] not in _FLOAT_CODES:
             raise CheckpointError(f"{source}: tensor {display(n)} has dtype {t.dtype}; weights must be floating point")
-        held = to_storage(t, storage)
+        widened_later = (widen_later and n not in permuted and not is_half(storage)
+                         and storage_name_of(t) != storage)     # exact, so finite as stored is finite as held
+        held = t if widened_later else to_storage(t, storage)
         if not all_finite(held):
             raise CheckpointError(f"{source}: tensor {display(n)} holds NaN or infinite values; the file is corrupt "
                                   "or the weights overflowed the requested dtype")
         if n in permuted:
             held = permute_hf_to_meta(held, cfg.n_heads if n.endswith("wq.weight") else cfg.n_kv_heads)
-        if held is not t:
+        if held is not t or (widened_later and mapped):   # a mapped file's checked pages read back when copied
             release_pages(t)
         params[n] = np.ascontiguousarray(held)
     return params, notes, footprint
@@ -336,13 +342,18 @@ def _decide(mapped: bool | None, nbytes: int) -> bool:
 def read_checkpoint(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None = None,
                     verify: bool = True, mmap: bool | None = None) -> Loaded:
     """Read any supported checkpoint into (config, Meta-named params, tokenizer, notes); see load()."""
-    loaded = _read(Path(path), storage_dtype_name(dtype), strict, verify, mmap)
+    return _with_max_seq_len(_read(Path(path), storage_dtype_name(dtype), strict, verify, mmap, widen_later=False),
+                             max_seq_len)
+
+
+def _with_max_seq_len(loaded: Loaded, max_seq_len: int | None) -> Loaded:
     if max_seq_len is not None:     # the one place a file's context length is overridden
         loaded = loaded._replace(config=loaded.config.replace(max_seq_len=max_seq_len))
     return loaded
 
 
-def _read(path: Path, storage: str, strict: bool, verify: bool, mmap: bool | None) -> Loaded:
+def _read(path: Path, storage: str, strict: bool, verify: bool, mmap: bool | None, widen_later: bool) -> Loaded:
+    """read_checkpoint's Loaded; widen_later as in _match_tensors (load's: from_params converts afterwards)."""
     if not path.exists():
         raise MissingFileError(f"{path}: no such file or folder")
     if path.is_dir():
@@ -356,7 +367,8 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mmap: bool | Non
             mapped = _decide(mmap, path.stat().st_size)
             cfg, tensors = read_llama2c(path, mapped)
             params, notes, footprint = _match_tensors(tensors, dict.fromkeys(tensors, "F32"), {}, cfg, storage,
-                                                      strict=True, source=str(path), hf_config=False, mapped=mapped)
+                                                      strict=True, source=str(path), hf_config=False, mapped=mapped,
+                                                      widen_later=widen_later)
             return Loaded(cfg, params, None, [f"llama2.c checkpoint {path}"] + notes, footprint)
         if suffix != ".safetensors":
             with open(path, "rb") as f:
@@ -388,7 +400,7 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mmap: bool | Non
                 "beside the file. Hint: put the model's config.json next to it")
         tokenizer = tokenizer_from_metadata(metadata, source)
     params, notes, footprint = _match_tensors(tensors, codes, metadata, cfg, storage, strict=strict, source=source,
-                                              hf_config=hf, mapped=mapped)
+                                              hf_config=hf, mapped=mapped, widen_later=widen_later)
     return Loaded(cfg, params, tokenizer, notes, footprint)
 
 
@@ -420,8 +432,13 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
     or tokenizer.json, else None.
     """
     check_backend_name(backend)
-    loaded = read_checkpoint(path, dtype, strict=strict, max_seq_len=max_seq_len, verify=verify, mmap=mmap)
-    model = Llama.from_params(loaded.config, loaded.params, dtype=dtype, backend=backend, adopt=True)
+    # tensors to widen come back as stored (_match_tensors), converted by from_params straight into
+    # the model's layout, each block's file pages handed back once copied: the peak is the weights
+    # held and one block of the file
+    loaded = _with_max_seq_len(_read(Path(path), storage_dtype_name(dtype), strict, verify, mmap, widen_later=True),
+                               max_seq_len)
+    model = Llama.from_params(loaded.config, loaded.params, dtype=dtype, backend=backend, adopt=True,
+                              release=release_pages)
     model.tokenizer = loaded.tokenizer
     source = MappedSource.of(model.params)
     if source is not None:                   # weights read in place from a mapped file: watch it
