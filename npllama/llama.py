@@ -133,10 +133,15 @@ class Llama:
         copies = sum(memory.array_bytes(np.size(params[n]), nbytes_per_element(storage)) for n in expected
                      if not (isinstance(params[n], np.ndarray) and storage_name_of(params[n]) == storage))
         # arrays are laid out as the backend's new ones (the engine's one flat array, which its
-        # training pass needs), each converted straight into it, unless some are a mapped file's
-        # arrays held as they are, or the model is half-held: those stay where they are
-        relayout = not is_half(storage) and not any(is_mapped(params[n]) and storage_name_of(params[n]) == storage
-                                                    for n in expected)
+        # training pass needs), each converted straight into it, unless the model is half-held or
+        # some are a mapped file's arrays held as they are (read in place, not copied) and either
+        # they are most of the weights or the others are in memory already (a quantized GGUF file's
+        # decoded tensors: laid out, the largest would be held twice for a moment). A float16 GGUF
+        # file's float32 norms beside tensors widened from the file join those in the layout.
+        in_place = sum(np.size(params[n]) for n in expected
+                       if is_mapped(params[n]) and storage_name_of(params[n]) == storage)
+        in_memory = not all(is_mapped(params[n]) for n in expected)
+        relayout = not is_half(storage) and (in_place == 0 or (2 * in_place < config.n_params() and not in_memory))
         if relayout and backend.name == "engine":      # the flat array, the one copy whatever the dtypes
             copies = memory.array_bytes(config.n_params(), compute.itemsize)
             if adopt:       # handed over: each array in memory freed once copied, the one being copied alive beside it

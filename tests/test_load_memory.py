@@ -215,7 +215,9 @@ def test_a_verified_converting_load_holds_the_converted_weights_not_the_file_s_p
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads peak RSS from /proc (Linux)")
 @pytest.mark.parametrize("how", ["mapped", "read"])
 @pytest.mark.parametrize("stored", ["float16", "bfloat16"])
-def test_a_half_precision_file_held_as_float32_peaks_at_its_weights_and_one_block_of_the_file(tmp_path, stored, how):
+@pytest.mark.parametrize("suffix", ["safetensors", "gguf"])
+def test_a_half_precision_file_held_as_float32_peaks_at_its_weights_and_one_block_of_the_file(tmp_path, suffix,
+                                                                                               stored, how):
     """load widens each tensor straight from the file into the model's one flat array, handing the
     file's pages back a block at a time: the peak is the float32 weights plus about one block, not
     plus the largest tensor widened whole beside them (1.23x on 110M before; here, where the two
@@ -224,7 +226,8 @@ def test_a_half_precision_file_held_as_float32_peaks_at_its_weights_and_one_bloc
     import subprocess
     import sys
     cfg = npllama.LlamaConfig(dim=256, n_layers=2, n_heads=4, vocab_size=32000, max_seq_len=64)
-    path = npllama.save(npllama.Llama(cfg, seed=0), tmp_path / "m.safetensors", format="meta", dtype=stored)
+    path = npllama.save(npllama.Llama(cfg, seed=0), tmp_path / f"m.{suffix}", format="meta" if suffix == "safetensors"
+                        else "gguf", dtype=stored)
     done = subprocess.run([sys.executable, "-c", PEAK_OF_A_LOAD, str(path), "float32", how], capture_output=True,
                           text=True, check=True)
     found = json.loads(done.stdout)
@@ -263,3 +266,32 @@ def test_arrays_of_another_dtype_are_converted_straight_into_the_model_s_layout(
     assert one_flat == (backend == "engine")
     again = npllama.Llama.from_params(model.config, expected, backend=backend)
     assert np.array_equal(held.forward(TOKENS), again.forward(TOKENS))
+
+
+def test_a_load_lays_the_weights_out_in_one_flat_array_unless_most_are_read_in_place(tmp_path):
+    """The engine's training pass reads one flat array. A load lays the weights out in it when it
+    widens them from the file (also a float16 GGUF file's, whose float32 norms would be read in
+    place) or holds them all in memory; a file read in place stays in place; a quantized GGUF
+    file's tensors, decoded into memory beside its float32 norms read in place, stay where they
+    are (laying them out would hold the largest twice for a moment). Every way gives the same values."""
+    from npllama.engine.layout import FlatLayout
+    # rows of 64: Q8_0's blocks of 32 (narrower tensors are written unquantized)
+    model = npllama.Llama(npllama.LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                              max_seq_len=16), seed=0)
+    files = {"float16 gguf": npllama.save(model, tmp_path / "h.gguf", format="gguf", dtype="float16"),
+             "q8_0 gguf": npllama.save(model, tmp_path / "q.gguf", format="gguf", dtype="q8_0"),
+             "float16 safetensors": npllama.save(model, tmp_path / "h.safetensors", format="meta", dtype="float16"),
+             "float32 safetensors": npllama.save(model, tmp_path / "m.safetensors", format="meta")}
+    flat = {("float16 gguf", True): True, ("q8_0 gguf", True): False, ("float16 safetensors", True): True,
+            ("float32 safetensors", True): False,
+            # read into memory: the float32 file's arrays are held in its buffer, the others laid out
+            ("float16 gguf", False): True, ("q8_0 gguf", False): True, ("float16 safetensors", False): True,
+            ("float32 safetensors", False): False}
+    for name, path in files.items():
+        for mapped in (True, False):
+            loaded = npllama.load(path, mmap=mapped)
+            assert (FlatLayout(loaded.config).base_of(loaded.params) is not None) == flat[name, mapped], (name, mapped)
+            if flat[name, mapped]:
+                assert not any(is_mapped(a) for a in loaded.params.values()), (name, mapped)
+            reference = ck.read_checkpoint(path, np.float32, mmap=mapped).params
+            assert all(np.array_equal(loaded.params[n], reference[n]) for n in reference), (name, mapped)

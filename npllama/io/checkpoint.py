@@ -362,7 +362,8 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mmap: bool | Non
         refuse_pickle_name(path)
         suffix = path.suffix.lower()
         if suffix == ".gguf":
-            return Loaded(*read_gguf_model(path, storage, strict=strict, mapped=_decide(mmap, path.stat().st_size)))
+            return Loaded(*read_gguf_model(path, storage, strict=strict, mapped=_decide(mmap, path.stat().st_size),
+                                           widen_later=widen_later))
         if suffix == ".bin":
             mapped = _decide(mmap, path.stat().st_size)
             cfg, tensors = read_llama2c(path, mapped)
@@ -375,7 +376,7 @@ def _read(path: Path, storage: str, strict: bool, verify: bool, mmap: bool | Non
                 head = f.read(4)
             if head == GGUF_MAGIC:
                 return Loaded(*read_gguf_model(path, storage, strict=strict,
-                                               mapped=_decide(mmap, path.stat().st_size)))
+                                               mapped=_decide(mmap, path.stat().st_size), widen_later=widen_later))
             refuse_pickle_magic(path, head)
             raise CheckpointError(f"{path}: unknown checkpoint type {suffix!r}; npllama reads .safetensors files, "
                                   "Hugging Face folders, llama2.c .bin files and GGUF files")
@@ -416,7 +417,9 @@ def load(path, dtype=np.float32, *, strict: bool = True, max_seq_len: int | None
         available, which it maps (io/mapped.py should_map). True maps it: a tensor stored in the
         dtype asked for (float32 safetensors and llama2.c .bin for float32; float16 / bfloat16
         files for those) is then not copied but read in place (the checksum and finiteness checks
-        read each page once), its pages shared with the OS page cache, and writing to a
+        read each page once; when such tensors are not most of the weights, as a float16 GGUF
+        file's float32 norms, they are copied with the converted rest into the model's one array),
+        its pages shared with the OS page cache, and writing to a
         parameter (training) changes the process's copy only, never the file. A mapped model
         checks that the file is unchanged before every forward, training pass and generate call,
         and every 8th decode step (WeightsFileChangedError tells to reload it; a truncation

@@ -55,7 +55,7 @@ import numpy as np
 from .. import memory
 from ..config import LlamaConfig
 from ..errors import NpllamaError
-from ..storage import BFLOAT16_BITS, all_finite, float32_to_bfloat16, is_half, to_float, to_storage
+from ..storage import BFLOAT16_BITS, all_finite, float32_to_bfloat16, is_half, storage_name_of, to_float, to_storage
 from .config_check import check_config_against
 from .errors import CheckpointError, ConfigMismatchError, TensorMismatchError, UnsupportedGGUFError
 from .footprint import load_footprint
@@ -184,13 +184,19 @@ def _stored_dtype(type_name: str):
     return {"F32": np.float32, "F16": np.float16, "BF16": BFLOAT16_BITS}.get(type_name, np.uint8)
 
 
-def _hold(gf, info, storage: str, mapped: bool) -> np.ndarray:
+def _hold(gf, info, storage: str, mapped: bool, widen_later: bool = False) -> np.ndarray:
     """A tensor as an array of `storage` (uint16 bits for bfloat16): a view of the file when it is
-    stored so and mapped, else decoded a block of rows at a time (each block's pages then released)."""
+    stored so and mapped, else decoded a block of rows at a time (each block's pages then released).
+    widen_later: a mapped F32, F16 or BF16 tensor to be widened (to float32 or float64) stays a view
+    of the file too, for Llama.from_params to convert straight into the model's layout (load)."""
     raw = gf.tensor_bytes(info)
-    if _NATIVE.get(info.type.name) == storage:
+    native = _NATIVE.get(info.type.name)
+    if native == storage or (widen_later and native is not None and not is_half(storage)):
         arr = raw.view(_stored_dtype(info.type.name)).reshape(info.shape)
-        return arr if mapped and arr.flags.aligned else arr.copy()
+        if native != storage and arr.flags.aligned:      # widened later, from the file's buffer
+            return arr
+        if native == storage:
+            return arr if mapped and arr.flags.aligned else arr.copy()
     out = np.empty(info.shape, dtype=BFLOAT16_BITS if storage == "bfloat16" else storage)
     rows = out.reshape(-1, info.shape[-1])
     row_bytes = info.nbytes // rows.shape[0]
@@ -228,8 +234,9 @@ def _tensor_names(gf, source: str, strict: bool) -> tuple[dict, list]:
     return found, notes
 
 
-def read_gguf_model(path, storage: str, *, strict: bool = True, mapped: bool = True):
-    """(config, Meta-named params held as `storage`, tokenizer or None, notes, footprint) of a LLaMA GGUF file."""
+def read_gguf_model(path, storage: str, *, strict: bool = True, mapped: bool = True, widen_later: bool = False):
+    """(config, Meta-named params held as `storage`, tokenizer or None, notes, footprint) of a LLaMA GGUF file.
+    widen_later: mapped tensors to be widened come back as stored, checked finite (_hold)."""
     gf = read_gguf(path, mapped)
     source = str(path)
     check_architecture(gf, source)
@@ -260,10 +267,12 @@ def read_gguf_model(path, storage: str, *, strict: bool = True, mapped: bool = T
                                                               ", or hold it in float16 or bfloat16"))
     params = {}
     for n in expected:
-        held = _hold(gf, found[n], storage, mapped)
+        held = _hold(gf, found[n], storage, mapped, widen_later)
         if not all_finite(held):
             raise CheckpointError(f"{source}: tensor {display(n)} holds NaN or infinite values; the file is corrupt "
                                   "or the weights overflowed the requested dtype")
+        if mapped and storage_name_of(held) != storage:     # widened later: the checked pages read back when copied
+            release_pages(held)
         params[n] = held
     types = Counter(found[n].type.name for n in expected)
     notes = [f"GGUF v{gf.version} {source}: " + ", ".join(f"{k} x {v}" for k, v in sorted(types.items()))] + notes
