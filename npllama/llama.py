@@ -97,11 +97,13 @@ class Llama:
     def from_params(cls, config: LlamaConfig, params: dict, dtype=None, backend: str = "engine",
                     adopt: bool = False, release=None) -> "Llama":
         """A model holding the given arrays, converted to dtype (default: their own dtype when it is
-        one npllama holds, else float32). Mapped arrays (a memory-mapped file) and half-held ones are
-        used where they are; arrays in memory are laid out as the backend keeps a model's (the
-        engine's one flat array, which its training pass reads without copies), which copies them
-        unless they are laid out so already. adopt=True hands the dict over (npllama.load does): its
-        arrays are moved out one by one as they are laid out, so the two copies never coexist.
+        one npllama holds, else float32). Half-held ones, and mapped arrays already in dtype (a
+        memory-mapped file's) when they are most of the weights or the others are arrays in memory,
+        are used where they are (so are those others, converted where needed); otherwise all are
+        laid out as the backend keeps a model's (the engine's one flat array, which its training
+        pass reads without copies), which copies them unless they are laid out so already.
+        adopt=True hands the dict over (npllama.load does): its arrays are moved out one by one as
+        they are laid out, so the two copies never coexist.
         release: None, or called with each part of a given array once it is converted (a view;
         npllama.load hands the file's pages of that part back).
 

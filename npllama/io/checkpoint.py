@@ -108,7 +108,8 @@ class Loaded(NamedTuple):
 
 
 def _match_tensors(tensors: dict, codes: dict, metadata: dict, cfg: LlamaConfig, storage: str, *, strict: bool,
-                   source: str, hf_config: bool, mapped: bool, widen_later: bool = False) -> tuple[dict, list, LoadFootprint]:
+                   source: str, hf_config: bool, mapped: bool,
+                   widen_later: bool = False) -> tuple[dict, list, LoadFootprint]:
     """Rename to Meta, check config and shapes, un-permute HF q/k, hold as `storage`.
 
     Returns (params, notes, footprint).
