@@ -1,5 +1,6 @@
 """tools/bench_versions.py: runs two checkouts interleaved and reports their ratio; refuses a folder
-that is not a checkout. (Its figures are measurements, never asserted.)"""
+that is not a checkout. tools/bench_decode.py: the FLOPs its prefill roofline counts. (The tools'
+figures are measurements, never asserted.)"""
 
 import re
 import subprocess
@@ -29,3 +30,23 @@ def test_bench_versions_compares_two_checkouts_interleaved(tmp_path):
 def test_bench_versions_refuses_a_folder_that_is_not_a_checkout(tmp_path):
     done = run_tool("--other", str(tmp_path))
     assert done.returncode == 2 and "not an npllama checkout" in done.stderr, done.stderr
+
+
+def test_bench_decode_counts_a_prefill_s_flops_matmul_by_matmul():
+    """The prefill roofline's FLOPs: each projection at each position, causal attention's q k^T and
+    P v per head over the keys up to the query, and the classifier at the last position only."""
+    sys.path.insert(0, str(ROOT))
+    from tools.bench_decode import prefill_flops
+    import npllama
+    cfg = npllama.LlamaConfig(dim=48, n_layers=3, n_heads=6, n_kv_heads=2, vocab_size=70, max_seq_len=32)
+    D, Dh, H, KVH, F, V = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, cfg.vocab_size
+    T = 11
+    per_position = {"wq": D * H * Dh, "wk": D * KVH * Dh, "wv": D * KVH * Dh, "wo": H * Dh * D,
+                    "w1": D * F, "w3": D * F, "w2": F * D}
+    expected = 0
+    for _ in range(cfg.n_layers):
+        for t in range(T):
+            expected += sum(2 * macs for macs in per_position.values())
+            expected += H * (2 * Dh * (t + 1) + 2 * Dh * (t + 1))          # q k^T over keys 0..t, then P v
+    expected += 2 * D * V                                                  # the last position's logits
+    assert prefill_flops(cfg, T) == expected

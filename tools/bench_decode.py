@@ -70,7 +70,8 @@ from npllama.engine.settings import blas_threads, get_blas_threads  # noqa: E402
 from npllama.generate import generate, generate_batch  # noqa: E402
 from npllama.io.llama2c import llama2c_layout  # noqa: E402
 from npllama.model import init_params  # noqa: E402
-from tools.benchkit import PEER_THREADS, load_average, memory_status, run_worker, torch_version  # noqa: E402
+from tools.benchkit import (PEER_THREADS, gemm_peaks, load_average, memory_status, roofline, run_worker,  # noqa: E402
+                             torch_version)
 
 SHAPES = {
     "stories260K": dict(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, hidden_dim=172, max_seq_len=512),
@@ -345,8 +346,20 @@ def _ratio(a, b):
 
 # ----------------------------------------------------------------------------- prefill
 
+def prefill_flops(cfg, tokens: int) -> float:
+    """Matmul FLOPs of a prefill of `tokens` positions: every block's projections at each position,
+    causal attention (q k^T and P v, 4 Dh (t + 1) per head for the query at position t), and the
+    classifier at the last position alone (what generate needs for its first token)."""
+    D, Dh, H, KVH, F, L, V = (cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim,
+                              cfg.n_layers, cfg.vocab_size)
+    blocks = 2 * tokens * L * (D * (H + 2 * KVH) * Dh + H * Dh * D + 3 * D * F)
+    attention = L * H * 4 * Dh * tokens * (tokens + 1) / 2
+    return blocks + attention + 2 * D * V
+
+
 def prefill_rounds(path, model, tokens, repeats, torch_side):
-    """Tokens/s of one prefill of `tokens` positions (and the first token), npllama vs torch."""
+    """Tokens/s of one prefill of `tokens` positions (and the first token), npllama vs torch, and
+    the FLOP/s each side's best stands at against NumPy's GEMM peak."""
     prompt = np.random.default_rng(7).integers(0, model.config.vocab_size, (1, tokens))
     found, loads = {}, []
     generate(model, prompt[0], 1)                    # warm-up
@@ -369,6 +382,10 @@ def prefill_rounds(path, model, tokens, repeats, torch_side):
     print(f"\nprefill of {tokens} tokens, {path.name}, batch 1 (tokens/s, medians of {repeats}; load "
           f"{statistics.median(loads):.1f}): " + ", ".join(f"{s} {v:,.0f}" for s, v in medians.items())
           + (f"; best npllama / best torch {best_ours / best_torch:.2f}x" if best_torch else ""))
+    flops, peaks = prefill_flops(model.config, tokens), gemm_peaks()
+    print(f"  roofline ({flops / 1e9:,.1f} GFLOP a prefill; NumPy float32 GEMM peak {peaks[1] / 1e9:,.0f} GFLOP/s on "
+          f"1 thread, {peaks[2] / 1e9:,.0f} on 2): npllama {roofline(flops * best_ours / tokens, peaks)}"
+          + (f"; torch {roofline(flops * best_torch / tokens, peaks)}" if best_torch else ""))
 
 
 # ----------------------------------------------------------------------------- memory of loading

@@ -35,6 +35,7 @@ from .attention import BlockAttentionCache, attention_backward, attention_forwar
 from .cache import DecodeCache
 from .fused import rms_backward, rms_rstd, sigmoid
 from .lora import AdaptedStack, adapted_backward, adapted_forward
+from .projections import linear_rows
 from .settings import blas_threads
 from .shards import ShardSums, product, value
 from .stacked import StackedLayer
@@ -100,10 +101,11 @@ class BlockCache(NamedTuple):
 
 
 def project(x, w):
-    """x W^T through a stacked weight: a plain (out, in) matrix, or an AdaptedStack. -> (y, x A^T or None)"""
+    """x W^T through a stacked weight: a plain (out, in) matrix, or an AdaptedStack. -> (y, x A^T or None)
+    (projections.linear_rows: a few rows on one BLAS thread, a short prompt's prefill, go in small blocks)"""
     if isinstance(w, AdaptedStack):
         return adapted_forward(x, w)
-    return x @ w.T, None
+    return linear_rows(x, w), None
 
 
 def project_backward(dy, x, w, xa, sink: GradSink, field: str):

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..lora import LoraSpec, weight_name
+from .projections import linear_rows
 from .shards import product
 from .stacked import STACK_MEMBERS, StackedLayer
 
@@ -53,8 +54,9 @@ class AdaptedStack(NamedTuple):
 
 
 def adapted_forward(x, w: AdaptedStack):
-    """y = x W^T, plus s (x A_j^T) B_j^T on each adapted member's rows. x (N, in) -> y (N, out), xa (N, k r)."""
-    y = x @ w.weight.T
+    """y = x W^T, plus s (x A_j^T) B_j^T on each adapted member's rows. x (N, in) -> y (N, out), xa (N, k r).
+    x W^T is the plain block's product (projections.linear_rows), so zero B gives the base's bits."""
+    y = linear_rows(x, w.weight)
     if w.a is None:
         return y, None
     r = w.a.shape[0] // len(w.adapted)

@@ -333,3 +333,36 @@ def test_adjacent_rows_is_one_view_of_parts_lying_in_order_in_one_buffer_and_non
     view = adjacent_rows(parts)
     assert view is not None and np.shares_memory(view, parts[0])
     assert np.array_equal(view, np.concatenate(parts)) and view.flags.c_contiguous
+
+
+@settings(max_examples=40)
+@given(st.integers(2, 32), st.integers(1, 3000), st.integers(1, 700), st.sampled_from([np.float32, np.float64]),
+       st.integers(0, 2**16))
+def test_a_few_rows_product_by_small_blocks_is_x_times_w_transposed(rows, n, n_in, dtype, seed):
+    """projections.few_rows_product: x @ w.T as W @ x.T a block of W's rows at a time, every block
+    within OpenBLAS's small-matrix bound, the last one short; contiguous, as x @ w.T is."""
+    from npllama.engine.projections import SMALL_GEMM_MNK, few_rows_product, small_block_rows
+    rng = np.random.default_rng(seed)
+    x, w = rng.standard_normal((rows, n_in)).astype(dtype), rng.standard_normal((n, n_in)).astype(dtype)
+    got = few_rows_product(x, w)
+    assert got.dtype == dtype and got.shape == (rows, n) and got.flags.c_contiguous
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    assert np.all(np.abs(got - want) <= (1e-5 if dtype == np.float32 else 1e-13) * scale)
+    assert small_block_rows(n_in, rows) * n_in * rows <= max(SMALL_GEMM_MNK, n_in * rows)
+
+
+def test_a_short_prompt_s_prefill_goes_by_small_blocks_and_equals_the_reference(monkeypatch):
+    """A prefill of 2 to 32 positions on one BLAS thread runs its projections by few_rows_product
+    (projections.linear_rows; counted), and its logits equal the reference backend's (float64, 1e-10)."""
+    from npllama.engine import projections
+    calls = []
+    real = projections.few_rows_product
+    monkeypatch.setattr(projections, "few_rows_product", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    engine = npllama.Llama(CFG, seed=3, dtype=np.float64)
+    ref = npllama.Llama.from_params(CFG, engine.params, backend="reference")
+    tokens = np.random.default_rng(4).integers(0, CFG.vocab_size, (1, 12))
+    logits = {name: model.forward(tokens, kv_cache=model.new_kv_cache(1))
+              for name, model in (("engine", engine), ("reference", ref))}
+    assert calls == [12] * (4 * CFG.n_layers)          # 4 projections a block, each of the prompt's 12 rows
+    assert rel_error(logits["engine"], logits["reference"]) < 1e-10
