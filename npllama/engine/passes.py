@@ -44,7 +44,7 @@ from .cache import DecodeCache
 from .fused import add_rows, cross_entropy_in_place, frozen_output_loss, rms_backward, rms_rstd
 from .layout import FlatLayout, gradient_array, stacked_views
 from .lora import adapted_layers
-from .projections import linear_in_place
+from .projections import FEW_ROWS, linear_in_place
 from .settings import adapt_malloc_once, blas_threads
 from .shards import ShardSums, _executor, available_cores, n_shards, product, resolve_workers, run_sharded, value
 from .stacked import stack_layer
@@ -60,6 +60,14 @@ OUTPUT_SLOT, NORM_SLOT, EMBEDDING_SLOT = 6, 7, 8
 # costs more than it saves, ruinously so on a busy machine (an 8-token prompt of an 8M model: 9 ms
 # a GEMM on two threads under load, against well under 1 ms on one).
 MIN_THREADED_ACTIVATIONS = 1 << 16
+# A prefill of fewer rows than cores shares its positions between the cores (position_shards, each
+# core on one BLAS thread) once each core gets FEW_ROWS positions or more (fewer: each shard reads
+# all the weights for little arithmetic) and T * n_params multiply-adds reach this many a core
+# (fewer: the shards' hand-offs in every layer cost more than the second core saves). Measured on
+# 6 December 2026 (Xeon, the prefill alone, one shard against two): 8M 128 tokens 23.4 -> 19.8 ms,
+# 15M 64 tokens 18.6 -> 18.1 and 128 tokens 26.9 -> 23.7, 110M 64 tokens 171 -> 135; slower in two:
+# stories260K at 128 and 256 tokens (3.6 against 4.9 ms, 7.5 against 8.8), 110M at 16 (75 against 84).
+POSITION_SHARD_MIN_MACS = 1 << 28
 
 
 def block_layers(params: dict, config: LlamaConfig, dtype, lazy: bool = False):
@@ -239,8 +247,9 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, s
     loss_and_grads. workers: threads sharing the batch rows (shards.resolve_workers); one when the
     weights must be copied per layer (a loaded or half-held model) or the cache is not a DecodeCache.
     A prefill into a DecodeCache of fewer rows than cores shares its positions between the
-    cores instead (position_shards), unless workers is given; a loaded model's per-layer copies
-    are then made once for all of them (SharedLayers).
+    cores instead (position_shards), when they are enough (POSITION_SHARD_MIN_MACS) and unless
+    workers is given; a loaded model's per-layer copies are then made once for all of them
+    (SharedLayers).
     """
     B, T = tokens.shape
     adapt_malloc_once()
@@ -260,7 +269,7 @@ def forward(params: dict, config: LlamaConfig, rope, tokens, *, kv_cache=None, s
     shareable = (flat or lora is not None) and (kv_cache is None or isinstance(kv_cache, DecodeCache))
     small = tokens.size * config.dim < MIN_THREADED_ACTIVATIONS
     cores = available_cores()
-    if isinstance(kv_cache, DecodeCache) and workers is None and B < cores and not small:
+    if isinstance(kv_cache, DecodeCache) and workers is None and B < cores and _shares_positions(config, T, cores):
         with blas_threads(1):           # a loaded model's stacked copies made once for every shard
             return _forward_by_positions(p, tokens, position_shards(config, start_pos, T, cores),
                                          share_layers=not shareable)
@@ -344,6 +353,11 @@ class SharedLayers:
 # projections' FLOP rate (issue 18: 47 against 140 GFLOP/s a core): position_shards weighs their
 # FLOPs so.
 ATTENTION_FLOP_COST = 3.0
+
+
+def _shares_positions(config: LlamaConfig, T: int, cores: int) -> bool:
+    """Whether a prefill of T positions goes in position shards (POSITION_SHARD_MIN_MACS)."""
+    return cores >= 2 and T >= cores * FEW_ROWS and T * config.n_params() >= cores * POSITION_SHARD_MIN_MACS
 
 
 def position_shards(config: LlamaConfig, start: int, T: int, n: int) -> list[slice]:

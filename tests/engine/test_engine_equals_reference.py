@@ -288,7 +288,7 @@ def test_a_prefill_cut_into_position_shards_on_threads_equals_the_reference(cfg,
         kv = model.new_kv_cache(B)
         if P:
             model.forward(seq[:, :P], kv_cache=kv, mask=mask[:P, :P] if masked else None)
-        with mock.patch.object(passes, "MIN_THREADED_ACTIVATIONS", 0), \
+        with mock.patch.object(passes, "_shares_positions", lambda *args: True), \
                 mock.patch.object(passes, "available_cores", lambda: cores), \
                 mock.patch.object(passes, "_forward_by_positions", side_effect=passes._forward_by_positions) as split, \
                 mock.patch.object(block, "kv_append", side_effect=late_first_writes(block.kv_append, P)), \
@@ -367,7 +367,7 @@ def test_shared_layers_hold_two_layers_at_most_and_free_the_others_when_a_shard_
             raise RuntimeError("shard failed")
         return kv_append(kv, k, v)
 
-    with mock.patch.object(passes, "MIN_THREADED_ACTIVATIONS", 0), \
+    with mock.patch.object(passes, "_shares_positions", lambda *args: True), \
             mock.patch.object(passes, "available_cores", lambda: 2), \
             mock.patch.object(passes, "SharedLayers", side_effect=counting):
         with mock.patch.object(block, "kv_append", side_effect=slow_later_shards):
@@ -389,6 +389,21 @@ def late_first_writes(kv_append, first_start):
             time.sleep(0.01)
         return kv_append(kv, k, v)
     return append
+
+
+def test_a_prefill_shares_its_positions_when_each_core_gets_enough_rows_and_work():
+    """passes._shares_positions on the shapes it was measured on (two cores): each core at least
+    FEW_ROWS positions and n_params * T / cores at least POSITION_SHARD_MIN_MACS multiply-adds."""
+    shapes = {"260K": npllama.LlamaConfig(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512),
+              "8M": npllama.LlamaConfig(dim=288, n_layers=6, n_heads=6, vocab_size=4096, tie_embeddings=True),
+              "15M": npllama.LlamaConfig(dim=288, n_layers=6, n_heads=6, vocab_size=32000, tie_embeddings=True),
+              "110M": npllama.LlamaConfig(dim=768, n_layers=12, n_heads=12, vocab_size=32000, tie_embeddings=True)}
+    shared = {(name, T): passes._shares_positions(cfg, T, 2) for name, cfg in shapes.items()
+              for T in (16, 32, 64, 128, 256)}
+    assert {key for key, yes in shared.items() if yes} == {
+        ("8M", 128), ("8M", 256), ("15M", 64), ("15M", 128), ("15M", 256),
+        ("110M", 64), ("110M", 128), ("110M", 256)}
+    assert not passes._shares_positions(shapes["110M"], 512, 1)        # one core: nothing to share
 
 
 def test_position_shards_cover_the_positions_in_order_at_about_equal_cost():
