@@ -88,13 +88,11 @@ class DecodeStep:
         B, D, H, KVH, Dh = batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim
         R, F = H // KVH, config.hidden_dim
         self.acts = acts = Activations(config, B, dtype)
-        layout = choose_layout(params) if layout is None else layout
+        layout = choose_layout(params) if _checked_layout(layout) is None else layout
         if layout == "stacked":
             self.projections = StackedProjections(params, config, acts, halves)
-        elif layout == "in_place":
-            self.projections = InPlaceProjections(params, config, acts, halves)
         else:
-            raise NpllamaError(f"layout={layout!r}; use 'stacked', 'in_place' or None (chosen by size)")
+            self.projections = InPlaceProjections(params, config, acts, halves)
         self.layout = layout
         complex_dtype = np.result_type(dtype, np.complex64)
         self.rotations = (cos + 1j * sin).astype(complex_dtype)          # (max_seq_len, Dh/2): e^(i p theta_j)
@@ -183,6 +181,12 @@ class DecodeStep:
         np.divide(self.ev_sum, self.e_sum, out=self.att)
 
 
+def _checked_layout(layout: str | None) -> str | None:
+    if layout not in (None, "stacked", "in_place"):
+        raise NpllamaError(f"layout={layout!r}; use 'stacked', 'in_place' or None (chosen by size)")
+    return layout
+
+
 def _view(a: np.ndarray, shape) -> np.ndarray:
     """a seen in another shape, never a copy (raises if that needs one): the step writes through it."""
     view = a.view()
@@ -192,15 +196,18 @@ def _view(a: np.ndarray, shape) -> np.ndarray:
 
 class EngineDecoder(Decoder):
     """backend.Decoder on the engine: the prefill is engine/passes.forward into a DecodeCache of
-    `positions` (default max_seq_len; the last position's logits only), each step a DecodeStep.
+    `positions` (default max_seq_len; the last position's logits only), each step a DecodeStep,
+    made at the first step: the first token, which the prefill gives, comes before a small
+    model's copies are made (8M: 12-20 ms), and a generation of one token never makes them.
     Owns the helper thread of its few-row GEMMs (projections.RowHalves), ended by close()."""
 
     def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None,
                  positions: int | None = None):
         self.params, self.config, self.rope = params, config, rope
+        self.batch_size, self.layout = batch_size, _checked_layout(layout)
         self.cache = DecodeCache.for_config(config, batch_size, rope[0].dtype, positions)
         self.halves = RowHalves()
-        self.step_fn = DecodeStep(params, config, rope, batch_size, layout, self.halves)
+        self.step_fn = None
 
     def prefill(self, tokens, mask):
         logits = forward(self.params, self.config, self.rope, tokens, kv_cache=self.cache, mask=mask, last_only=True)
@@ -211,6 +218,8 @@ class EngineDecoder(Decoder):
         key_bias = None
         if key_ok is not None:                                  # (B, S) -> (B, 1, 1, S): -inf on padding
             key_bias = np.where(key_ok, 0.0, -np.inf).astype(self.cache.k.dtype)[:, None, None, :]
+        if self.step_fn is None:
+            self.step_fn = DecodeStep(self.params, self.config, self.rope, self.batch_size, self.layout, self.halves)
         logits = self.step_fn(ids, pos, self.cache, key_bias)
         self.cache.length = pos + 1
         return logits

@@ -366,3 +366,24 @@ def test_a_short_prompt_s_prefill_goes_by_small_blocks_and_equals_the_reference(
               for name, model in (("engine", engine), ("reference", ref))}
     assert calls == [12] * (4 * CFG.n_layers)          # 4 projections a block, each of the prompt's 12 rows
     assert rel_error(logits["engine"], logits["reference"]) < 1e-10
+
+
+def test_a_decoder_makes_its_step_at_the_first_step_and_refuses_a_bad_layout_at_once(monkeypatch):
+    """EngineDecoder: the first token comes from the prefill before any step (a small model's
+    copies) is made; a one-token generation makes none, a longer one exactly one; a layout that
+    is no layout is refused when the decoder is made, not after its prefill."""
+    from npllama.engine import decode
+    from npllama.errors import NpllamaError
+    made = []
+    real = decode.DecodeStep
+    monkeypatch.setattr(decode, "DecodeStep", lambda *args, **kw: made.append(args[3]) or real(*args, **kw))
+    model = npllama.Llama(CFG, seed=5)
+    prompt = [3, 1, 4, 1, 5]
+    one = list(model.generate(prompt, 1, temperature=0))
+    assert made == []
+    four = list(model.generate(prompt, 4, temperature=0))
+    assert made == [1] and four[:1] == one
+    reference = npllama.Llama.from_params(CFG, model.params, backend="reference")
+    assert four == list(reference.generate(prompt, 4, temperature=0))
+    with pytest.raises(NpllamaError, match="layout='rows'"):
+        decode.EngineDecoder(model.params, CFG, model.rope, 1, layout="rows")
