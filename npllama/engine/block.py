@@ -5,7 +5,8 @@ LoRA training, gradient checkpointing (the same forward run again), the forward 
 and the prefill of generation (keep=False, keys and values written into a KV cache). The same
 ops in the same order as the reference block; what differs is how the work is laid out:
 
-  - activations are 2-D, x (N, D) with N = b*T rows, so each projection is one plain GEMM;
+  - activations are 2-D, x (N, D) with N = b*T rows, so each projection is one plain GEMM (2 to
+    32 rows on one BLAS thread, as a short prompt's prefill: small blocks, projections.linear_rows);
   - [wq; wk; wv] and [w1; w3] run as one GEMM each (a StackedLayer: engine/stacked.py), and in
     backward one GEMM dx = dy @ [W1; W3] sums the branches' gradients the reference adds;
   - RoPE, q's 1/sqrt(Dh) and the change to the attention layout are one complex multiply
