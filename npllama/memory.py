@@ -141,11 +141,12 @@ def generate_bytes(config: LlamaConfig, batch_size: int, prompt_len: int, itemsi
                    scores_in_blocks: bool = False, positions: int | None = None) -> int:
     """Decoding batch_size prompts of up to prompt_len tokens from a model already held: the KV
     cache of `positions` (default max_seq_len); stacked_bytes, the weights' copy the decode step
-    keeps (engine.decode: stacked for small models, none for large ones); the prefill: the reference's forward keeps every layer's caches,
-    the attention probabilities (B, H, P, P) whole, and the logits of every position (model.forward
-    returns them all); the engine's (scores_in_blocks) runs one layer at a time, its attention in
-    query blocks (running_layer_bytes); its mask, and a layer's weights stacked or upcast; each
-    step's logits and the sampling's copies of them, (B, V) a few times."""
+    keeps (engine.decode: stacked for small models, none for large ones); the prefill: the
+    reference's forward keeps every layer's caches, the attention probabilities (B, H, P, P)
+    whole, and the logits of every position (model.forward returns them all); the engine's
+    (scores_in_blocks) runs one layer at a time, its attention in query blocks
+    (running_layer_bytes); its mask, and a layer's weights stacked or upcast; each step's logits
+    and the sampling's copies of them, (B, V) a few times."""
     one_layer = config.replace(n_layers=1)
     layer_weights = (one_layer.n_params() - config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
                      - config.dim) * itemsize

@@ -88,7 +88,7 @@ class DecodeStep:
         B, D, H, KVH, Dh = batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim
         R, F = H // KVH, config.hidden_dim
         self.acts = acts = Activations(config, B, dtype)
-        layout = choose_layout(params) if _checked_layout(layout) is None else layout
+        layout = _checked_layout(layout) or choose_layout(params)
         if layout == "stacked":
             self.projections = StackedProjections(params, config, acts, halves)
         else:

@@ -191,12 +191,12 @@ def _hold(gf, info, storage: str, mapped: bool, widen_later: bool = False) -> np
     of the file too, for Llama.from_params to convert straight into the model's layout (load)."""
     raw = gf.tensor_bytes(info)
     native = _NATIVE.get(info.type.name)
-    if native == storage or (widen_later and native is not None and not is_half(storage)):
+    if native is not None and (native == storage or (widen_later and not is_half(storage))):
         arr = raw.view(_stored_dtype(info.type.name)).reshape(info.shape)
-        if native != storage and arr.flags.aligned:      # widened later, from the file's buffer
-            return arr
         if native == storage:
             return arr if mapped and arr.flags.aligned else arr.copy()
+        if arr.flags.aligned:                            # widened later, from the file's buffer
+            return arr
     out = np.empty(info.shape, dtype=BFLOAT16_BITS if storage == "bfloat16" else storage)
     rows = out.reshape(-1, info.shape[-1])
     row_bytes = info.nbytes // rows.shape[0]
