@@ -157,8 +157,9 @@ class ReferenceBackend:
     def decoder(self, params, config, rope, batch_size: int, positions: int | None = None) -> Decoder:
         return ReferenceDecoder(float_params(params, rope[0].dtype), config, rope, batch_size, positions)
 
-    def decoder_copy_bytes(self, params: dict, dtype) -> int:
-        """The bytes a decoder copies of the weights: their float copy when they are held at half precision."""
+    def decoder_copy_bytes(self, params: dict, dtype, batch_size: int = 1, steps: int | None = None) -> int:
+        """The bytes a decoder copies of the weights: their float copy when they are held at half precision
+        (whatever the batch and the steps)."""
         if float_params(params, dtype) is params:
             return 0
         return sum(a.size for a in params.values()) * np.dtype(dtype).itemsize

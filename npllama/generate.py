@@ -228,9 +228,9 @@ def _cache_positions(model, prompts, max_new_tokens: int, sliding_window: bool) 
 def _require_memory(model, prompts, positions: int) -> None:
     """Refuse, before anything is allocated, a generation whose cache, prefill and decode step
     cannot fit (npllama.memory.generate_bytes)."""
-    cfg, B = model.config, len(prompts)
-    stacked = model.backend.decoder_copy_bytes(model.params, model.dtype)
-    memory.require(memory.generate_bytes(cfg, B, max(len(p) for p in prompts), model.dtype.itemsize, stacked,
+    cfg, B, longest = model.config, len(prompts), max(len(p) for p in prompts)
+    stacked = model.backend.decoder_copy_bytes(model.params, model.dtype, B, steps=positions - longest)
+    memory.require(memory.generate_bytes(cfg, B, longest, model.dtype.itemsize, stacked,
                                          model.backend.scores_in_blocks, positions),
                    f"generating from {B} prompt(s) with a cache of {positions} positions x {cfg.n_layers} layers",
                    "fewer prompts at once, shorter prompts, or a smaller max_seq_len")

@@ -23,7 +23,7 @@ from .cache import DecodeCache
 from .decode import EngineDecoder, choose_layout
 from .layout import FlatLayout, flat_params
 from .passes import forward, loss_and_grads
-from .projections import gemv_padded_rows
+from .projections import copies_classifier, gemv_padded_rows
 from .stacked import stack_members
 from .shards import pass_footprint
 
@@ -72,19 +72,23 @@ class EngineBackend:
     def decoder(self, params, config, rope, batch_size: int, positions: int | None = None) -> EngineDecoder:
         return EngineDecoder(params, config, rope, batch_size, positions=positions)
 
-    def decoder_copy_bytes(self, params: dict, dtype) -> int:
-        """The bytes a decoder copies of the weights: the stacked, norm-folded copies of a small model's
-        blocks (at most every block's matrices, each stack padded as projections.gemv_padded_rows
-        may pad it; its embedding and classifier are read in place)."""
+    def decoder_copy_bytes(self, params: dict, dtype, batch_size: int = 1, steps: int | None = None) -> int:
+        """The bytes a decoder of batch_size rows, for `steps` steps (None: not known), copies of the
+        weights: the stacked, norm-folded copies of a small model's blocks (at most every block's
+        matrices, each stack padded as projections.gemv_padded_rows may pad it), and its classifier
+        where projections.copies_classifier copies it; the embedding is read in place."""
         if choose_layout(params) != "stacked":
             return 0
-        total, i = 0, 0
+        stacks, i = [], 0
         while layer_param_names(i).wq in params:
-            for stack in stack_members(layer_weights(params, i)).values():
-                rows = gemv_padded_rows(sum(a.shape[0] for a in stack), stack[0].shape[1])
-                total += rows * stack[0].shape[1] * stack[0].itemsize
+            stacks += stack_members(layer_weights(params, i)).values()
             i += 1
-        return total
+        classifier = params.get("output.weight", params["tok_embeddings.weight"])
+        if copies_classifier(classifier.size, batch_size, steps):
+            stacks.append([classifier])
+        itemsize = np.dtype(dtype).itemsize
+        return sum(gemv_padded_rows(sum(a.shape[0] for a in stack), stack[0].shape[1]) * stack[0].shape[1] * itemsize
+                   for stack in stacks)
 
     def pass_footprint(self, batch_size: int, seq_len: int, dim: int, workers=None) -> tuple[int, int]:
         """(rows whose activations are alive at once, shards whose gradients are summed): shards.pass_footprint."""

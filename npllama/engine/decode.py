@@ -75,14 +75,16 @@ class DecodeStep:
     changing the parameters), "in_place" (the parameters themselves, never copied), or None to
     choose by size (choose_layout). Half-held parameters (float16 / bfloat16) are always read in
     place, a block of rows at a time in float32. halves: the helper thread the large products
-    share their rows with (projections.RowHalves), or None for one thread.
+    share their rows with (projections.RowHalves), or None for one thread. steps: how many steps
+    the generation will run (None: not known), by which a stacked step decides whether copying its
+    classifier pays (projections.copies_classifier).
 
     The activations live in buffers made here (projections.Activations) and every view the step
     reads them through is made here too: a step makes no array but its scores and its results.
     """
 
     def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None,
-                 halves: RowHalves | None = None):
+                 halves: RowHalves | None = None, steps: int | None = None):
         cos, sin = rope
         dtype = cos.dtype
         B, D, H, KVH, Dh = batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim
@@ -90,7 +92,7 @@ class DecodeStep:
         self.acts = acts = Activations(config, B, dtype)
         layout = _checked_layout(layout) or choose_layout(params)
         if layout == "stacked":
-            self.projections = StackedProjections(params, config, acts, halves)
+            self.projections = StackedProjections(params, config, acts, halves, steps)
         else:
             self.projections = InPlaceProjections(params, config, acts, halves)
         self.layout = layout
@@ -197,8 +199,9 @@ def _view(a: np.ndarray, shape) -> np.ndarray:
 class EngineDecoder(Decoder):
     """backend.Decoder on the engine: the prefill is engine/passes.forward into a DecodeCache of
     `positions` (default max_seq_len; the last position's logits only), each step a DecodeStep,
-    made at the first step: the first token, which the prefill gives, comes before a small
-    model's copies are made (8M: 12-20 ms), and a generation of one token never makes them.
+    made at the first step for the positions left in the cache (the steps the generation runs):
+    the first token, which the prefill gives, comes before a small model's copies are made (8M:
+    12-20 ms), and a generation of one token never makes them.
     Owns the helper thread of its few-row GEMMs (projections.RowHalves), ended by close()."""
 
     def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None,
@@ -218,8 +221,9 @@ class EngineDecoder(Decoder):
         key_bias = None
         if key_ok is not None:                                  # (B, S) -> (B, 1, 1, S): -inf on padding
             key_bias = np.where(key_ok, 0.0, -np.inf).astype(self.cache.k.dtype)[:, None, None, :]
-        if self.step_fn is None:
-            self.step_fn = DecodeStep(self.params, self.config, self.rope, self.batch_size, self.layout, self.halves)
+        if self.step_fn is None:                                # one step for each position left in the cache
+            self.step_fn = DecodeStep(self.params, self.config, self.rope, self.batch_size, self.layout, self.halves,
+                                      steps=self.cache.v.shape[3] - pos)
         logits = self.step_fn(ids, pos, self.cache, key_bias)
         self.cache.length = pos + 1
         return logits

@@ -46,8 +46,9 @@ and w1 negated (stacked.folded_layer: the step's SwiGLU works with -a, and subtr
 projection from the residual; decode.py), each stored in the orientation OpenBLAS runs fastest for
 the batch size; a copy read a row at a time a little short of GEMV_THREADS_MIN_WEIGHTS padded with
 zero columns up to it (gemv_padding), so that both cores read it. Copies, made once per generation,
-each in one pass over its parameters (stacked_copy); the embedding and a large classifier are read
-in place (the final norm's gain applied to xn).
+each in one pass over its parameters (stacked_copy); the embedding is read in place, and so is a
+large classifier (the final norm's gain applied to xn) but in a generation of one or two rows long
+enough to pay for its copy (copies_classifier).
 
 InPlaceProjections, for large models, where a step costs per byte of weights read (110M: 438 MB
 a token): every matrix read where it is, as model.params holds it (Meta's (out, in) layout; a
@@ -129,6 +130,16 @@ GEMV_PAD_MAX_GROWTH = 4 / 3
 # against 0.73; blocks of 1024 as fast as or faster than one GEMM at 3, 4, 16 and 32 rows on every
 # shape of 8M, 15M and 110M but 4096 x 288 at 4 rows (0.30 against 0.27).
 CORES_BLOCK_ROWS = 1024
+# A stacked step's large classifier at one or two rows is read in place (W @ x: OpenBLAS's gemv of
+# dot products over rows of `in` numbers) unless the generation runs at least this many steps: then
+# it is copied once, folded and stored (in, n), and read as x @ W (its gemv that adds scaled rows of
+# the copy), which streams faster where `in` is short. Measured on 6 December 2026 on a 2-core AMD
+# EPYC (OpenBLAS's Haswell kernels), 32000 x 288 from DRAM: 1,730 us a step on two threads in place
+# against 1,103 for the copy (1T: 2,867 against 1,458); the copy takes 15-17 ms, paid back after
+# ~25 steps; whole 240-token generations 15M 330 tokens/s against 270, 8M 623 against 577. On a
+# 2-core Xeon (5 December 2026) the two read alike (1.25 against 1.20 ms), where a copy pays back
+# after ~300 steps: from 128 steps on, it costs a Xeon at most 4% and gains an EPYC at least 15%.
+CLASSIFIER_COPY_MIN_STEPS = 128
 # Up to this many rows, a product on BLAS threads or through a matrix stored (in, n) is one gemv a
 # row: OpenBLAS's GEMM with M = 2 reads W slower than two gemv calls read it twice (measured on 2
 # December 2026, 2 rows, whole steps: 8M 1,458 tokens/s against 753 before, 15M 667 against 317,
@@ -224,6 +235,16 @@ def linear_rows(x, w) -> np.ndarray:
     if 2 <= x.shape[0] <= FEW_ROWS and get_blas_threads() == 1:
         return few_rows_product(x, w)
     return x @ w.T
+
+
+def copies_classifier(n_weights: int, batch_size: int, steps: int | None) -> bool:
+    """Whether a stacked decode step of batch_size rows, made for `steps` steps (None: not known),
+    copies its classifier of n_weights (folded with the final norm's gain) rather than read it in
+    place: a small one always (below CORES_MIN_WEIGHTS: one NumPy call fewer a step), a large one at
+    one or two rows for a generation of CLASSIFIER_COPY_MIN_STEPS steps or more."""
+    if n_weights < CORES_MIN_WEIGHTS:
+        return True
+    return batch_size <= ROW_BY_ROW and steps is not None and steps >= CLASSIFIER_COPY_MIN_STEPS
 
 
 def product_threads() -> int:
@@ -424,7 +445,8 @@ class Activations:
 class StackedProjections:
     """Stacked, folded copies of the weights, oriented for the batch size (small models)."""
 
-    def __init__(self, params: dict, config: LlamaConfig, acts: Activations, halves: RowHalves | None = None):
+    def __init__(self, params: dict, config: LlamaConfig, acts: Activations, halves: RowHalves | None = None,
+                 steps: int | None = None):
         B, Dh = acts.xn.shape[0], config.head_dim
         # OpenBLAS picks its kernel by shape. Measured per step (one thread): with 2 rows, x @ W
         # with W stored (in, out) beats (W @ x.T).T with W stored (out, in), as Meta has it, by
@@ -449,14 +471,14 @@ class StackedProjections:
             self.layers.append((product(qkv, acts.xn, acts.qkv), product(o, acts.att, acts.res),
                                 product(gate_up, acts.xn, acts.ab), product(down, acts.g, acts.res)))
         # A large classifier (CORES_MIN_WEIGHTS and more) is read in place, its norm's gain applied
-        # to xn (a row of D numbers) instead: at one row OpenBLAS reads 32000 x 288 in place as fast
-        # as a copy stored (in, out) (measured 5 December 2026, two threads: 1.25 against 1.20 ms
-        # from DRAM, 0.67 against 0.67 from L3), and the copy cost 15M 20 ms and 37 MB a generation
-        # call. A small one (stories260K's 512 x 64) is folded into a copy: its step costs per call,
-        # and the multiply of xn is one more (7,370-7,580 tokens/s against 6,920-7,360 read in place).
+        # to xn (a row of D numbers) instead, unless a long generation pays for its copy
+        # (copies_classifier, CLASSIFIER_COPY_MIN_STEPS): the copy costs 15M 15-20 ms and 37 MB a
+        # generation call. A small one (stories260K's 512 x 64) is folded into a copy: its step costs
+        # per call, and the multiply of xn is one more (7,370-7,580 tokens/s against 6,920-7,360 read
+        # in place).
         classifier = params[output_weight_name(config)]
         final_gain = norm_gain(params["norm.weight"])
-        if classifier.size >= CORES_MIN_WEIGHTS:
+        if not copies_classifier(classifier.size, B, steps):
             self.logits = Product([classifier.astype(dtype, copy=False)], acts.xn, acts.logits, halves,
                                   pre=[partial(np.multiply, acts.xn, final_gain.astype(dtype), out=acts.xn)]).call
         else:

@@ -125,15 +125,16 @@ def key_layout(transposed: bool):
 
 @settings(max_examples=25)
 @given(configs(), st.integers(1, 4), st.integers(1, 6), LAYOUTS, st.booleans(), st.booleans(),
-       st.integers(0, 10_000))
+       st.sampled_from([None, 1, projections.CLASSIFIER_COPY_MIN_STEPS]), st.integers(0, 10_000))
 def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, split,
-                                                                               keys_transposed, seed):
+                                                                               keys_transposed, steps, seed):
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
     and every one-row product run on two BLAS threads, as large models' are, whatever its size and
     the machine's cores (a few rows' GEMM there in blocks of 5 of W's rows, CORES_BLOCK_ROWS, and
     a stacked layout's classifier read in place, its gain on xn, as a large classifier is; and a
     stacked copy of one or two rows under 200 weights padded with zero columns up to 200, as dim
-    288's [-w1; w3] is up to GEMV_THREADS_MIN_WEIGHTS).
+    288's [-w1; w3] is up to GEMV_THREADS_MIN_WEIGHTS; or, at one or two rows, for a generation of
+    CLASSIFIER_COPY_MIN_STEPS `steps`, copied, as a large classifier is then).
     keys_transposed: the cache's layout of keys (engine.cache)."""
     with key_layout(keys_transposed), \
             mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
@@ -144,10 +145,10 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
             mock.patch.object(projections, "CORES_BLOCK_ROWS", 5 if split else projections.CORES_BLOCK_ROWS), \
             mock.patch.object(projections, "get_blas_threads", lambda: 2), \
             mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
-        _decode_equals_the_reference(cfg, B, P, layout, seed)
+        _decode_equals_the_reference(cfg, B, P, layout, seed, steps)
 
 
-def _decode_equals_the_reference(cfg, B, P, layout, seed):
+def _decode_equals_the_reference(cfg, B, P, layout, seed, steps=None):
     model = random_model(cfg, seed)
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
     kv = model.new_kv_cache(B)
@@ -155,7 +156,7 @@ def _decode_equals_the_reference(cfg, B, P, layout, seed):
     prefill = model.forward(seq[:, :P], kv_cache=kv)
     assert rel_error(prefill, reference.forward(model.params, cfg, seq[:, :P])[0]) < TOL
     halves = projections.RowHalves()
-    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout, halves=halves)
+    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout, halves=halves, steps=steps)
     for pos in range(P, cfg.max_seq_len):
         logits = step(seq[:, pos], pos, kv)
         expected = reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]
@@ -196,11 +197,59 @@ def test_a_copy_just_short_of_openblas_threads_is_padded_with_zeros_and_read_on_
     assert weights(padded).shape == (8, 43) and not weights(padded)[:, 40:].any()
     assert padded.cores is not None and len(padded.ours) == B
     step = DecodeStep(model.params, cfg, model.rope, B, layout="stacked")        # the memory check's count
-    assert model.backend.decoder_copy_bytes(model.params, model.dtype) == \
-        sum(weights(p).nbytes for layer in step.projections.layers for p in layer)
+    assert model.backend.decoder_copy_bytes(model.params, model.dtype, B) == \
+        sum(weights(p).nbytes for layer in step.projections.layers for p in layer) + \
+        weights(step.projections.logits).nbytes                                 # a small classifier: copied
     assert weights(gate_up_copy(blas=1)).shape == (8, 40)
     monkeypatch.setattr(projections, "GEMV_PAD_MAX_GROWTH", 1.05)            # 43 > 40 * 1.05: no padding
     assert weights(gate_up_copy(blas=2)).shape == (8, 40)
+
+
+@pytest.mark.parametrize("B", [1, 2, 3])
+def test_a_long_generation_of_one_or_two_rows_copies_a_large_classifier(monkeypatch, B):
+    """A stacked step reads a large classifier (CORES_MIN_WEIGHTS and more) in place, unless it has one
+    or two rows and is made for CLASSIFIER_COPY_MIN_STEPS steps or more: then it reads a copy stored
+    (in, n), folded with the final norm's gain. Either way the steps equal the reference, and the
+    bytes a decoder copies (backend.decoder_copy_bytes) count the copy. EngineDecoder makes its step
+    for the positions left in its cache, which generate sizes to the new tokens."""
+    cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=13, hidden_dim=20,
+                              max_seq_len=12)
+    model = random_model(cfg, 4)
+    classifier = model.params[reference.output_weight_name(cfg)]
+    monkeypatch.setattr(projections, "CORES_MIN_WEIGHTS", classifier.size)          # 13 x 8: large
+    monkeypatch.setattr(projections, "CLASSIFIER_COPY_MIN_STEPS", 6)
+    seq = np.random.default_rng(4).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
+
+    def classifier_read(steps):
+        step = DecodeStep(model.params, cfg, model.rope, B, layout="stacked", steps=steps)
+        kv = model.new_kv_cache(B)
+        for pos in range(cfg.max_seq_len):
+            logits = step(seq[:, pos], pos, kv)
+            assert rel_error(logits, reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]) < TOL, pos
+        logits = step.projections.logits
+        pieces = logits.ours if isinstance(logits, projections.Product) else [logits]
+        w = pieces[0].args[1] if pieces[0].func is np.dot else pieces[0].args[0]  # x[b] @ copy, or W @ x[b]
+        in_place = np.shares_memory(w, classifier)
+        assert model.backend.decoder_copy_bytes(model.params, model.dtype, B, steps) == \
+            model.backend.decoder_copy_bytes(model.params, model.dtype, B) + (0 if in_place else w.nbytes)
+        return w, in_place
+
+    for steps in (None, 5):
+        assert classifier_read(steps)[1]
+    copy, in_place = classifier_read(6)
+    assert in_place == (B > projections.ROW_BY_ROW)
+    if not in_place:
+        np.testing.assert_array_equal(copy, (classifier * projections.norm_gain(model.params["norm.weight"])).T)
+
+    made = []
+    real_step = decode.DecodeStep
+    monkeypatch.setattr(decode, "DecodeStep", lambda *a, **kw: made.append(kw["steps"]) or real_step(*a, **kw))
+    prompts = [seq[b, :3] for b in range(B)]
+    for new_tokens in (6, 7):                       # 3 + 6 - 1 positions, 5 of them stepped; then 6
+        assert np.array_equal(model.generate_batch(prompts, new_tokens),
+                              npllama.Llama.from_params(cfg, model.params, backend="reference").generate_batch(
+                                  prompts, new_tokens))
+    assert made == [5, 6]
 
 
 @settings(max_examples=15)
