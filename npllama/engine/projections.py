@@ -18,8 +18,9 @@ then costs no Python beyond calling them. The pieces by the number of rows B:
 
 each on all cores' BLAS threads when the product is large (B n in >= CORES_MIN_WEIGHTS) and the
 process allows them; otherwise on one BLAS thread, where 2 to FEW_ROWS rows go as W @ x.T a
-block of rows at a time, each small enough for OpenBLAS's small-matrix kernels (SMALL_GEMM_MNK),
-through transposed copies of x and out, shared with the helper thread (below)
+block of rows at a time, each small enough for OpenBLAS's small-matrix kernels (SMALL_GEMM_MNK)
+where it has them (SMALL_BLOCKS; else one block), through transposed copies of x and out, shared
+with the helper thread (below)
 
 and a matrix held in float16 / bfloat16 (or float32 under float64 activations, in tests) is turned
 into the activations' dtype a block of rows at a time, in a buffer that stays in cache
@@ -62,6 +63,7 @@ Both normalise the same way: with r = (mean(x**2) + eps) ** -0.5 and the norm's 
 
 from __future__ import annotations
 
+import sys
 import threading
 from functools import partial
 
@@ -69,7 +71,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..model import layer_weights, output_weight_name
-from .settings import blas_threads, get_blas_threads
+from .settings import blas_core, blas_threads, get_blas_threads
 from .shards import available_cores
 from .stacked import ScaledRows, folded_layer, norm_gain
 from .upcast import upcast_into
@@ -89,6 +91,13 @@ _matvec = np.matmul
 # W cut into row blocks that small runs 1.5-1.9x faster than one GEMM (measured on one thread, 110M
 # shapes, 2-32 rows: 8 rows 40 against 25 GFLOP/s; one row past the bound falls back to 25).
 SMALL_GEMM_MNK = 10 ** 6
+# The OpenBLAS cores with small-matrix kernels of their own (AVX-512: its KERNEL.SKYLAKEX, which the
+# later Xeons' include). Elsewhere the blocks run slower than one W @ x.T: measured on 6 December
+# 2026 on an AMD EPYC (OpenBLAS's Haswell kernels, one thread), 8 rows through 768 x 2048 770 us in
+# blocks against 487 as one call, 16 rows through 2304 x 768 1,030 against 831; the time to a short
+# prompt's first token, 110M, 32 tokens, 165 against 131 ms, 8M, 8 tokens, 9.1 against 7.8.
+SMALL_KERNEL_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
+SMALL_BLOCKS = blas_core() in SMALL_KERNEL_CORES
 # Up to this many rows of x, a GEMM through an (out, in) matrix on one BLAS thread goes in such blocks.
 FEW_ROWS = 32
 
@@ -208,17 +217,20 @@ def _through_buffer(w, block, pieces):
 
 
 def small_block_rows(n_in: int, rows: int) -> int:
-    """Rows of a W (n, n_in) that a product with `rows` rows of x takes a call, so that OpenBLAS
-    runs each call by its small-matrix kernels (SMALL_GEMM_MNK)."""
+    """Rows of a W (n, n_in) that a product with `rows` rows of x takes a call: so few that OpenBLAS
+    runs each call by its small-matrix kernels (SMALL_GEMM_MNK) where it has them (SMALL_BLOCKS),
+    else all of W's rows (one call)."""
+    if not SMALL_BLOCKS:
+        return sys.maxsize
     return max(1, SMALL_GEMM_MNK // (n_in * rows))
 
 
 def few_rows_product(x, w) -> np.ndarray:
     """x @ w.T (B, n) for 2 to FEW_ROWS rows of x (B, in), on one BLAS thread: W @ x.T a block of
-    small_block_rows rows of w (n, in) at a time, through a contiguous copy of x.T. One x @ w.T
-    packs all of w for so few rows. A prefill of 4 to 32 tokens ran 1.2-1.6x faster this way on
-    8M's shape, 1.3-2.2x on 110M's; from 48 tokens on, the two were level (measured 6 December
-    2026, Xeon, one thread)."""
+    small_block_rows rows of w (n, in) at a time (one block where OpenBLAS has no small-matrix
+    kernels), through a contiguous copy of x.T. One x @ w.T packs all of w for so few rows. A
+    prefill of 4 to 32 tokens ran 1.2-1.6x faster this way on 8M's shape, 1.3-2.2x on 110M's; from
+    48 tokens on, the two were level (measured 6 December 2026, Xeon, one thread)."""
     B, n_in = x.shape
     xt = np.ascontiguousarray(x.T)
     out_t = np.empty((w.shape[0], B), x.dtype)

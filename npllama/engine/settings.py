@@ -68,7 +68,9 @@ _SYMBOL_PAIRS = [  # (set, get) across OpenBLAS builds: plain, 64-bit-int, NumPy
 
 
 def _find_openblas():
-    """(set, get) functions of the OpenBLAS that NumPy loaded, or None."""
+    """(set, get, core) of the OpenBLAS that NumPy loaded, or None: its thread count's setter and
+    getter, and the name of the CPU core its kernels were picked for, lowercase ("haswell",
+    "skylakex", ...; None where it does not say)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "openblas" in line.lower()}
@@ -85,11 +87,26 @@ def _find_openblas():
             if hasattr(lib, set_name) and hasattr(lib, get_name):
                 setter, getter = getattr(lib, set_name), getattr(lib, get_name)
                 setter.argtypes, setter.restype, getter.restype = [ctypes.c_int], None, ctypes.c_int
-                return setter, getter
+                return setter, getter, _core_name(lib, get_name.replace("get_num_threads", "get_corename"))
     return None
 
 
+def _core_name(lib, symbol: str) -> str | None:
+    if not hasattr(lib, symbol):
+        return None
+    function = getattr(lib, symbol)
+    function.restype = ctypes.c_char_p
+    name = function()
+    return name.decode("ascii", "replace").strip().lower() if name else None
+
+
 _OPENBLAS = _find_openblas()
+
+
+def blas_core() -> str | None:
+    """The CPU core OpenBLAS picked its kernels for, lowercase ("haswell", "zen", "skylakex", ...), or
+    None where the BLAS is not OpenBLAS or does not say."""
+    return _OPENBLAS[2] if _OPENBLAS else None
 
 
 def get_blas_threads() -> int | None:

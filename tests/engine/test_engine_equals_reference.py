@@ -125,9 +125,10 @@ def key_layout(transposed: bool):
 
 @settings(max_examples=25)
 @given(configs(), st.integers(1, 4), st.integers(1, 6), LAYOUTS, st.booleans(), st.booleans(),
-       st.sampled_from([None, 1, projections.CLASSIFIER_COPY_MIN_STEPS]), st.integers(0, 10_000))
+       st.sampled_from([None, 1, projections.CLASSIFIER_COPY_MIN_STEPS]), st.booleans(), st.integers(0, 10_000))
 def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, split,
-                                                                               keys_transposed, steps, seed):
+                                                                               keys_transposed, steps, small_blocks,
+                                                                               seed):
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
     and every one-row product run on two BLAS threads, as large models' are, whatever its size and
     the machine's cores (a few rows' GEMM there in blocks of 5 of W's rows, CORES_BLOCK_ROWS, and
@@ -135,8 +136,12 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
     stacked copy of one or two rows under 200 weights padded with zero columns up to 200, as dim
     288's [-w1; w3] is up to GEMV_THREADS_MIN_WEIGHTS; or, at one or two rows, for a generation of
     CLASSIFIER_COPY_MIN_STEPS `steps`, copied, as a large classifier is then).
-    keys_transposed: the cache's layout of keys (engine.cache)."""
+    keys_transposed: the cache's layout of keys (engine.cache).
+    small_blocks: a few rows' products on one thread go one row of W a call, as OpenBLAS's small-matrix
+    blocks do at scale (SMALL_BLOCKS, SMALL_GEMM_MNK), else all of W in one call."""
     with key_layout(keys_transposed), \
+            mock.patch.object(projections, "SMALL_BLOCKS", small_blocks), \
+            mock.patch.object(projections, "SMALL_GEMM_MNK", 1), \
             mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
             mock.patch.object(projections, "CORES_MIN_WEIGHTS", 0 if split else projections.CORES_MIN_WEIGHTS), \
             mock.patch.object(projections, "GEMV_THREADS_MIN_WEIGHTS",

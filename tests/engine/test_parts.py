@@ -4,6 +4,7 @@ threads do), its attention and its fused ops each against the op of npllama.ops 
 and the parameters a model starts from."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -337,19 +338,42 @@ def test_adjacent_rows_is_one_view_of_parts_lying_in_order_in_one_buffer_and_non
 
 @settings(max_examples=40)
 @given(st.integers(2, 32), st.integers(1, 3000), st.integers(1, 700), st.sampled_from([np.float32, np.float64]),
-       st.integers(0, 2**16))
-def test_a_few_rows_product_by_small_blocks_is_x_times_w_transposed(rows, n, n_in, dtype, seed):
+       st.booleans(), st.integers(0, 2**16))
+def test_a_few_rows_product_by_small_blocks_is_x_times_w_transposed(rows, n, n_in, dtype, small_blocks, seed):
     """projections.few_rows_product: x @ w.T as W @ x.T a block of W's rows at a time, every block
-    within OpenBLAS's small-matrix bound, the last one short; contiguous, as x @ w.T is."""
-    from npllama.engine.projections import SMALL_GEMM_MNK, few_rows_product, small_block_rows
+    within OpenBLAS's small-matrix bound where it has small-matrix kernels (SMALL_BLOCKS), else all of
+    W in one call; contiguous, as x @ w.T is."""
+    from unittest import mock
+    from npllama.engine import projections
     rng = np.random.default_rng(seed)
     x, w = rng.standard_normal((rows, n_in)).astype(dtype), rng.standard_normal((n, n_in)).astype(dtype)
-    got = few_rows_product(x, w)
+    calls = []
+    real_matmul = np.matmul
+    with mock.patch.object(projections, "SMALL_BLOCKS", small_blocks), \
+            mock.patch.object(projections.np, "matmul", lambda a, *r, **k: calls.append(a.shape[0]) or real_matmul(a, *r, **k)):
+        got = projections.few_rows_product(x, w)
     assert got.dtype == dtype and got.shape == (rows, n) and got.flags.c_contiguous
     want = x.astype(np.float64) @ w.astype(np.float64).T
     scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
     assert np.all(np.abs(got - want) <= (1e-5 if dtype == np.float32 else 1e-13) * scale)
-    assert small_block_rows(n_in, rows) * n_in * rows <= max(SMALL_GEMM_MNK, n_in * rows)
+    assert sum(calls) == n
+    if small_blocks:
+        assert all(c * n_in * rows <= max(projections.SMALL_GEMM_MNK, n_in * rows) for c in calls)
+        assert len(calls) == -(-n // max(1, projections.SMALL_GEMM_MNK // (n_in * rows)))
+    else:
+        assert calls == [n]
+
+
+def test_small_blocks_only_where_openblas_has_small_matrix_kernels():
+    """projections.SMALL_BLOCKS is whether the core OpenBLAS picked its kernels for (settings.blas_core)
+    is one with small-matrix kernels of its own; NumPy's wheels bundle OpenBLAS, which names its core."""
+    from npllama.engine import projections, settings
+    core = settings.blas_core()
+    if settings.get_blas_threads() is not None:
+        assert isinstance(core, str) and core and core == core.lower()
+    assert projections.SMALL_BLOCKS == (core in projections.SMALL_KERNEL_CORES)
+    assert projections.small_block_rows(288, 8) == (projections.SMALL_GEMM_MNK // (288 * 8) if projections.SMALL_BLOCKS
+                                                    else sys.maxsize)
 
 
 def test_a_short_prompt_s_prefill_goes_by_small_blocks_and_equals_the_reference(monkeypatch):
