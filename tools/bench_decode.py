@@ -26,8 +26,8 @@ every figure moves with the load.
 Roofline. A batch-1 decode step reads every weight once, so its speed is bound by memory
 bandwidth: GB/s = (bytes of weights read per step) x (steps/s). The tool measures the bandwidth
 of a float32 matrix-vector product on this machine (the best of np.vecdot on one thread and
-OpenBLAS's W @ x on one and two threads, over copies of a (2048, 768) matrix too large to stay
-in cache) and prints each row's fraction of it.
+OpenBLAS's W @ x and x @ W on one and two threads, over copies of a (2048, 768) matrix too large
+to stay in cache) and prints each row's fraction of it.
 
 Memory. Peak RSS of loading the 110M model in each format and dtype, each in a fresh process,
 against the bytes the weights are held in (float32 files are memory-mapped, not copied).
@@ -178,11 +178,15 @@ def matvec_bandwidth(total_bytes: int, repeats: int = 3) -> dict[str, float]:
     rng = np.random.default_rng(0)
     shape = (2048, 768)
     mats = [rng.standard_normal(shape, dtype=np.float32) for _ in range(max(2, total_bytes // (4 * 2048 * 768)))]
-    x = rng.standard_normal(shape[1], dtype=np.float32)
-    out = np.empty(shape[0], np.float32)
+    x, row = rng.standard_normal(shape[1], dtype=np.float32), rng.standard_normal(shape[0], dtype=np.float32)
+    out, row_out = np.empty(shape[0], np.float32), np.empty(shape[1], np.float32)
+    # x @ W reads the same bytes as a matrix stored (in, out), as the small models' copies are: OpenBLAS's
+    # other gemv, faster than W @ x on some CPUs (its Haswell kernels: docs/speed.md)
     kernels = {"np.vecdot, 1 thread": (lambda w: np.vecdot(w, x, out=out), 1),
                "W @ x, 1 thread": (lambda w: np.matmul(w, x, out=out), 1),
-               "W @ x, 2 threads": (lambda w: np.matmul(w, x, out=out), 2)}
+               "W @ x, 2 threads": (lambda w: np.matmul(w, x, out=out), 2),
+               "x @ W, 1 thread": (lambda w: np.dot(row, w, out=row_out), 1),
+               "x @ W, 2 threads": (lambda w: np.dot(row, w, out=row_out), 2)}
     found = {}
     for label, (kernel, threads) in kernels.items():
         with blas_threads(threads):
