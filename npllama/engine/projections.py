@@ -95,7 +95,8 @@ SMALL_GEMM_MNK = 10 ** 6
 # later Xeons' include). Elsewhere the blocks run slower than one W @ x.T: measured on 6 December
 # 2026 on an AMD EPYC (OpenBLAS's Haswell kernels, one thread), 8 rows through 768 x 2048 770 us in
 # blocks against 487 as one call, 16 rows through 2304 x 768 1,030 against 831; the time to a short
-# prompt's first token, 110M, 32 tokens, 165 against 131 ms, 8M, 8 tokens, 9.1 against 7.8.
+# prompt's first token, 32 tokens, 110M 146 against 123 ms, 8M 16.6 against 15.3 (8 tokens: level);
+# 8 rows a step on one BLAS thread, 110M 114 against 124 tokens/s.
 SMALL_KERNEL_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 SMALL_BLOCKS = blas_core() in SMALL_KERNEL_CORES
 # Up to this many rows of x, a GEMM through an (out, in) matrix on one BLAS thread goes in such blocks.
@@ -145,9 +146,10 @@ CORES_BLOCK_ROWS = 1024
 # the copy), which streams faster where `in` is short. Measured on 6 December 2026 on a 2-core AMD
 # EPYC (OpenBLAS's Haswell kernels), 32000 x 288 from DRAM: 1,730 us a step on two threads in place
 # against 1,103 for the copy (1T: 2,867 against 1,458); the copy takes 15-17 ms, paid back after
-# ~25 steps; whole 240-token generations 15M 330 tokens/s against 270, 8M 623 against 577. On a
-# 2-core Xeon (5 December 2026) the two read alike (1.25 against 1.20 ms), where a copy pays back
-# after ~300 steps: from 128 steps on, it costs a Xeon at most 4% and gains an EPYC at least 15%.
+# ~25 steps; whole 240-token generations (7 rounds, alternating) 15M 367 tokens/s against 304, 8M
+# 678 against 632. On a 2-core Xeon (5 December 2026) the two read alike (1.20 against 1.25 ms),
+# where a copy would pay back after ~300 steps: by these figures, from 128 steps on it costs a Xeon
+# at most 4% and gains an EPYC at least 15%.
 CLASSIFIER_COPY_MIN_STEPS = 128
 # Up to this many rows, a product on BLAS threads or through a matrix stored (in, n) is one gemv a
 # row: OpenBLAS's GEMM with M = 2 reads W slower than two gemv calls read it twice (measured on 2
