@@ -28,6 +28,11 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
+    @property
+    def positions(self) -> int:
+        """The positions it holds (max_seq_len, or fewer for a generation's cache)."""
+        return self.v.shape[3]
+
     def append(self, layer: int, k, v, start_pos: int):
         """Write one layer's new keys and values at start_pos and return every position so far.
 

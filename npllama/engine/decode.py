@@ -223,7 +223,7 @@ class EngineDecoder(Decoder):
             key_bias = np.where(key_ok, 0.0, -np.inf).astype(self.cache.k.dtype)[:, None, None, :]
         if self.step_fn is None:                                # one step for each position left in the cache
             self.step_fn = DecodeStep(self.params, self.config, self.rope, self.batch_size, self.layout, self.halves,
-                                      steps=self.cache.v.shape[3] - pos)
+                                      steps=self.cache.positions - pos)
         logits = self.step_fn(ids, pos, self.cache, key_bias)
         self.cache.length = pos + 1
         return logits
