@@ -125,10 +125,11 @@ def key_layout(transposed: bool):
 
 @settings(max_examples=25)
 @given(configs(), st.integers(1, 4), st.integers(1, 6), LAYOUTS, st.booleans(), st.booleans(),
-       st.sampled_from([None, 1, projections.CLASSIFIER_COPY_MIN_STEPS]), st.booleans(), st.integers(0, 10_000))
+       st.sampled_from([None, 1, projections.CLASSIFIER_COPY_MIN_STEPS]), st.booleans(), st.booleans(),
+       st.integers(0, 10_000))
 def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, split,
                                                                                keys_transposed, steps, small_blocks,
-                                                                               seed):
+                                                                               shifted, seed):
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
     and every one-row product run on two BLAS threads, as large models' are, whatever its size and
     the machine's cores (a few rows' GEMM there in blocks of 5 of W's rows, CORES_BLOCK_ROWS, and
@@ -138,8 +139,11 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
     CLASSIFIER_COPY_MIN_STEPS `steps`, copied, as a large classifier is then).
     keys_transposed: the cache's layout of keys (engine.cache).
     small_blocks: a few rows' products on one thread go one row of W a call, as OpenBLAS's small-matrix
-    blocks do at scale (SMALL_BLOCKS, SMALL_GEMM_MNK), else all of W in one call."""
+    blocks do at scale (SMALL_BLOCKS, SMALL_GEMM_MNK), else all of W in one call.
+    shifted: no softmax denominator passes the step's check (an empty SOFTMAX_SUM_RANGE), so the
+    first step runs again with each row's max subtracted, and every later step runs so at once."""
     with key_layout(keys_transposed), \
+            mock.patch.object(decode, "SOFTMAX_SUM_RANGE", (np.inf, 0.0) if shifted else decode.SOFTMAX_SUM_RANGE), \
             mock.patch.object(projections, "SMALL_BLOCKS", small_blocks), \
             mock.patch.object(projections, "SMALL_GEMM_MNK", 1), \
             mock.patch.object(projections, "SPLIT_MIN_WEIGHTS", 0 if split else projections.SPLIT_MIN_WEIGHTS), \
@@ -150,7 +154,8 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
             mock.patch.object(projections, "CORES_BLOCK_ROWS", 5 if split else projections.CORES_BLOCK_ROWS), \
             mock.patch.object(projections, "get_blas_threads", lambda: 2), \
             mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
-        _decode_equals_the_reference(cfg, B, P, layout, seed, steps)
+        step = _decode_equals_the_reference(cfg, B, P, layout, seed, steps)
+    assert step.shift == shifted
 
 
 def _decode_equals_the_reference(cfg, B, P, layout, seed, steps=None):
@@ -167,6 +172,45 @@ def _decode_equals_the_reference(cfg, B, P, layout, seed, steps=None):
         expected = reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]
         assert rel_error(logits, expected) < TOL, pos
     halves.close()
+    return step
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("layout", ["stacked", "in_place"])
+def test_scores_whose_exp_overflows_or_underflows_run_the_step_again_with_each_row_max_subtracted(sign, layout):
+    """wq = +-c wk makes each query's score against its own key +-c |k|^2 / sqrt(Dh), here in the
+    thousands: exp of it overflows (inf / inf) or, with every other score as far down, underflows
+    (0 / 0). The step subtracts no max at first (engine.decode.SOFTMAX_SUM_RANGE); its check finds a
+    denominator out of range, so it runs again with each row's max subtracted, as its later steps do
+    then: every step equals the reference. Run unchecked and unshifted, the same steps do not. At the
+    model's own scale, no step needs the shift."""
+    cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=11, hidden_dim=12,
+                              max_seq_len=8)
+    model = random_model(cfg, 5)
+    seq = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, cfg.max_seq_len))
+    seq[:] = seq[0, 0]                              # one token: each position's keys lie near the others'
+
+    def steps_equal_the_reference(params, checked=True):
+        step = DecodeStep(params, cfg, model.rope, 1, layout=layout)
+        kv = model.new_kv_cache(1)
+        equal = True
+        for pos in range(cfg.max_seq_len):
+            if checked:
+                logits = step(seq[:, pos], pos, kv)
+            else:
+                with np.errstate(all="ignore"):
+                    logits = step._step(seq[:, pos], pos, kv, None)
+            expected = reference.forward(params, cfg, seq[:, :pos + 1])[0][:, -1]
+            assert np.isfinite(expected).all()
+            equal &= bool(rel_error(logits, expected) < TOL)
+        return equal, step.shift
+
+    assert steps_equal_the_reference(model.params) == (True, False)
+    params = dict(model.params)
+    for i in range(cfg.n_layers):
+        params[f"layers.{i}.attention.wq.weight"] = sign * 3000.0 * params[f"layers.{i}.attention.wk.weight"]
+    assert steps_equal_the_reference(params) == (True, True)
+    assert steps_equal_the_reference(params, checked=False) == (False, False)
 
 
 @pytest.mark.parametrize("B", [1, 2])
