@@ -68,6 +68,35 @@ def test_small_files_are_read_large_ones_mapped_and_either_when_asked(files, mon
         monkeypatch.undo()
 
 
+def _mapping_of(address: int) -> tuple[str, set]:
+    """(permissions, VmFlags) of the mapping of this process holding address (/proc/self/smaps)."""
+    found = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+                start, end = (int(a, 16) for a in head[0].split("-"))
+                found = head[1] if start <= address < end else None
+            elif found is not None and head[0] == "VmFlags:":
+                return found, set(head[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps, which only Linux has")
+@pytest.mark.parametrize("name", ["a", "bin"])
+def test_a_read_file_lies_in_private_memory_advised_for_huge_pages(files, name):
+    """A file read into memory lies in private anonymous pages advised MADV_HUGEPAGE ("hg"), which the
+    kernel may back with 2 MB pages (a decode step reads them faster: io/mapped.py ReadBuffer); not in
+    shared anonymous memory, Python's default, which it would not."""
+    model = npllama.load(files[name], mmap=False)
+    buffers = {id(b): b for b in (mapped._buffer_of(p) for p in model.params.values())
+               if isinstance(b, mapped.ReadBuffer)}
+    assert buffers
+    for buffer in buffers.values():
+        permissions, flags = _mapping_of(ctypes.addressof(ctypes.c_char.from_buffer(buffer)))
+        assert permissions.endswith("p") and "hg" in flags, (permissions, flags)
+
+
 def test_a_read_model_is_unaffected_by_its_file_changing(files):
     model = npllama.load(files["a"], mmap=False)
     expected = model.forward(TOKENS)
