@@ -65,8 +65,11 @@ def read_buffer(size: int) -> ReadBuffer:
     """A new ReadBuffer of size bytes (at least 1), zero-filled by the kernel."""
     private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
     buffer = ReadBuffer(-1, max(size, 1), **private)
-    if hasattr(mmap, "MADV_HUGEPAGE"):          # Linux; where the kernel has no huge pages it is a no-op
-        buffer.madvise(mmap.MADV_HUGEPAGE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):          # Linux
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:                         # EINVAL: a kernel built without transparent huge pages
+            pass
     return buffer
 
 
