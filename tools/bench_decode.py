@@ -9,8 +9,8 @@
 
 Decode. Each side decodes the same 8-token prompts greedily (batch 1 and 8 by default), one
 prefill then one token a step, 256 new tokens (fewer where max_seq_len ends sooner), timing
-prefill plus decode: npllama through npllama.generate.generate_batch, as `npllama generate` and
-Llama.generate run it, with the engine's own thread choices ("auto": every BLAS thread for the
+prefill plus decode: npllama through npllama.generate's generate_stream for one row, as `npllama
+generate` runs it, and generate_batch for several, with the engine's own thread choices ("auto": every BLAS thread for the
 large products of a step and the GEMMs of a long prompt, one elsewhere) and, for batches of
 several rows, also everything on one BLAS thread (1T), the better counted; PyTorch eager
 (tools/torch_llama.py: Meta's model.py layout, preallocated KV cache,
