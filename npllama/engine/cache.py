@@ -4,6 +4,8 @@
        (L, B, KVH, Dh, max_seq_len)       or transposed (keys_transposed): scores = q @ k, for tiny heads
     v  (L, B, KVH, max_seq_len, Dh + 1)   values and a column of ones, so e @ v gives both
                                            sum_s e_s v_s and the softmax denominator sum_s e_s
+    k_at, v_at  (L, max_seq_len, B, KVH, Dh)   views of k and of v without its ones, position first:
+                                           where a decode step writes its position
 
 The keys' layout is chosen by the size of a step's q, B KVH Dh (TRANSPOSED_KEYS_MAX). The ones
 column saved 1.1 us a layer per decode step at dim 64. The prefill's blocks
@@ -41,6 +43,11 @@ class DecodeCache(KVCache):
         self.k = np.zeros((n_layers, batch_size, n_kv_heads, *shape), dtype=dtype)
         self.v = np.zeros((n_layers, batch_size, n_kv_heads, max_seq_len, head_dim + 1), dtype=dtype)
         self.v[..., head_dim] = 1.0
+        # The same keys and values (without the ones) with the position first, (L, max_seq_len, B,
+        # KVH, Dh): a decode step writes its position with one integer index, 0.3 us against 0.55
+        # for the 4-D slice (k[layer][:, :, :, pos]), twice a layer.
+        self.k_at = np.moveaxis(self.k, 4 if self.keys_transposed else 3, 1)
+        self.v_at = np.moveaxis(self.v[..., :head_dim], 3, 1)
         self.length = 0
 
     @classmethod

@@ -112,6 +112,10 @@ class DecodeStep:
         self.layout = layout
         complex_dtype = np.result_type(dtype, np.complex64)
         self.rotations = (cos + 1j * sin).astype(complex_dtype)          # (max_seq_len, Dh/2): e^(i p theta_j)
+        # a position's rotations repeated for each of q's and k's heads, copied once a step: each
+        # layer's multiply then runs one inner loop over them all (stories260K 0.44 us, against 1.3
+        # broadcasting (Dh/2,) over the heads)
+        self.rotation = np.empty((H + KVH, Dh // 2), complex_dtype)
         heads = _view(acts.qkv, (B, H + 2 * KVH, Dh))
         self.qk = _view(acts.qkv[:, :(H + KVH) * Dh].view(complex_dtype), (B, H + KVH, Dh // 2))  # q, k as pairs
         self.q = _view(heads[:, :H], (B, KVH, R, Dh))
@@ -155,13 +159,14 @@ class DecodeStep:
         acts, norm, attend, minus_a, b, one = self.acts, self._normalize, self._attend, self.minus_a, self.b, self.one
         x, res, g = acts.x, acts.res, acts.g
         self.projections.embed(ids, x)                                      # (B,) -> (B, D), the residual
-        rotation = self.rotations[pos]                                      # (Dh/2,) complex
+        rotation = self.rotation
+        rotation[...] = self.rotations[pos]                                 # (H + KVH, Dh/2) complex
         keys_transposed = kv_cache.keys_transposed
-        for (qkv, o, gate_up, down), k_cache, v_cache, ev in zip(self.projections.layers, kv_cache.k, kv_cache.v,
-                                                                 self.ev):
+        for (qkv, o, gate_up, down), k_cache, v_cache, k_at, v_at, ev in zip(
+                self.projections.layers, kv_cache.k, kv_cache.v, kv_cache.k_at, kv_cache.v_at, self.ev):
             norm(x)
             qkv()                                                           # xn -> qkv
-            attend(rotation, pos, k_cache, v_cache, key_bias, keys_transposed, ev)   # qkv -> att
+            attend(rotation, pos, k_cache, v_cache, k_at, v_at, key_bias, keys_transposed, ev)   # qkv -> att
             o()                                                             # att -> res
             np.add(x, res, x)
             norm(x)
@@ -191,19 +196,19 @@ class DecodeStep:
         norm[()] = math.sqrt(x.dot(x) + self.d_eps)
         np.divide(x, norm, self.xn_row)
 
-    def _attend(self, rotation, pos, k_cache, v_cache, key_bias, keys_transposed, ev):
+    def _attend(self, rotation, pos, k_cache, v_cache, k_at, v_at, key_bias, keys_transposed, ev):
         """Attention of this position's q over keys and values 0 .. pos, after writing its k and v.
 
         acts.qkv (B, (H + 2 KVH) Dh), q already scaled by 1/sqrt(Dh) -> acts.att (B, H Dh), through
-        the layer's ev (its (B, KVH, R, Dh + 1) buffer, and its columns :Dh and Dh as (B H) rows)."""
+        the layer's cache (k_cache, v_cache, and k_at, v_at: the same by position, DecodeCache) and
+        its ev (its (B, KVH, R, Dh + 1) buffer, and its columns :Dh and Dh as (B H) rows)."""
         qk = self.qk
         np.multiply(qk, rotation, qk)                                       # RoPE on q and k at once
-        v_cache[:, :, pos, :-1] = self.v
+        k_at[pos] = self.k                                                  # (B, KVH, Dh)
+        v_at[pos] = self.v
         if keys_transposed:                                                 # (B, KVH, Dh, max_seq_len)
-            k_cache[:, :, :, pos] = self.k                                  # (B, KVH, Dh)
             scores = np.matmul(self.q, k_cache[..., :pos + 1])              # (B, KVH, R, S)
         else:                                                               # (B, KVH, max_seq_len, Dh)
-            k_cache[:, :, pos] = self.k
             scores = np.matmul(self.q, k_cache[:, :, :pos + 1].swapaxes(-1, -2))
         if key_bias is not None:
             scores += key_bias
