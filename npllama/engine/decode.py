@@ -156,27 +156,46 @@ class DecodeStep:
                 return self._step(ids, pos, kv_cache, key_bias)
 
     def _step(self, ids, pos, kv_cache, key_bias):
-        acts, norm, attend, minus_a, b, one = self.acts, self._normalize, self._attend, self.minus_a, self.b, self.one
+        # Every name the layers' loop reads is a local, bound once a step: a layer read some 25
+        # attributes and globals, and called the attention as a method (stories260K's step, the
+        # same bits: 6-8% faster, alternating in one process, AMD EPYC, 6 December 2026).
+        acts, norm, minus_a, b, one = self.acts, self._normalize, self.minus_a, self.b, self.one
         x, res, g = acts.x, acts.res, acts.g
-        self.projections.embed(ids, x)                                      # (B,) -> (B, D), the residual
+        qk, q, k, v, att_rows, shift = self.qk, self.q, self.k, self.v, self.att_rows, self.shift
+        multiply, matmul, exp, add, subtract, divide = np.multiply, np.matmul, np.exp, np.add, np.subtract, np.divide
+        keys_transposed, S = kv_cache.keys_transposed, pos + 1
         rotation = self.rotation
         rotation[...] = self.rotations[pos]                                 # (H + KVH, Dh/2) complex
-        keys_transposed = kv_cache.keys_transposed
-        for (qkv, o, gate_up, down), k_cache, v_cache, k_at, v_at, ev in zip(
+        self.projections.embed(ids, x)                                      # (B,) -> (B, D), the residual
+        for (qkv, o, gate_up, down), k_cache, v_cache, k_at, v_at, (e_v, ev_sum, e_sum) in zip(
                 self.projections.layers, kv_cache.k, kv_cache.v, kv_cache.k_at, kv_cache.v_at, self.ev):
             norm(x)
-            qkv()                                                           # xn -> qkv
-            attend(rotation, pos, k_cache, v_cache, k_at, v_at, key_bias, keys_transposed, ev)   # qkv -> att
+            qkv()                                                           # xn -> [q / sqrt(Dh) | k | v]
+            # attention of this position's q over the keys and values 0 .. pos, its own written first
+            multiply(qk, rotation, qk)                                      # RoPE on q and k at once
+            k_at[pos] = k                                                   # (B, KVH, Dh)
+            v_at[pos] = v
+            if keys_transposed:                                             # (B, KVH, Dh, max_seq_len)
+                scores = matmul(q, k_cache[..., :S])                        # (B, KVH, R, S)
+            else:                                                           # (B, KVH, max_seq_len, Dh)
+                scores = matmul(q, k_cache[:, :, :S].swapaxes(-1, -2))
+            if key_bias is not None:
+                scores += key_bias
+            if shift:
+                scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+            exp(scores, scores)
+            matmul(scores, v_cache[:, :, :S], e_v)                         # [sum e v | sum e] (B, KVH, R, Dh + 1)
+            divide(ev_sum, e_sum, att_rows)                                 # -> att; 2-D: 1.8 us, against 2.9 in 4-D
             o()                                                             # att -> res
-            np.add(x, res, x)
+            add(x, res, x)
             norm(x)
             gate_up()                                                       # xn -> [-a | b]
-            np.multiply(minus_a, b, g)                                      # silu(a) b = a b / (1 + exp(-a)),
-            np.exp(minus_a, minus_a)                                        # here negated: -a b / (1 + exp(-a))
-            np.add(minus_a, one, minus_a)
-            np.divide(g, minus_a, g)
+            multiply(minus_a, b, g)                                         # silu(a) b = a b / (1 + exp(-a)),
+            exp(minus_a, minus_a)                                           # here negated: -a b / (1 + exp(-a))
+            add(minus_a, one, minus_a)
+            divide(g, minus_a, g)
             down()                                                          # g -> res = -down(silu(a) b)
-            np.subtract(x, res, x)
+            subtract(x, res, x)
         norm(x)
         self.projections.logits()                                           # xn -> logits
         return acts.logits.copy()
@@ -195,29 +214,6 @@ class DecodeStep:
         x, norm = self.x_row, self.norm
         norm[()] = math.sqrt(x.dot(x) + self.d_eps)
         np.divide(x, norm, self.xn_row)
-
-    def _attend(self, rotation, pos, k_cache, v_cache, k_at, v_at, key_bias, keys_transposed, ev):
-        """Attention of this position's q over keys and values 0 .. pos, after writing its k and v.
-
-        acts.qkv (B, (H + 2 KVH) Dh), q already scaled by 1/sqrt(Dh) -> acts.att (B, H Dh), through
-        the layer's cache (k_cache, v_cache, and k_at, v_at: the same by position, DecodeCache) and
-        its ev (its (B, KVH, R, Dh + 1) buffer, and its columns :Dh and Dh as (B H) rows)."""
-        qk = self.qk
-        np.multiply(qk, rotation, qk)                                       # RoPE on q and k at once
-        k_at[pos] = self.k                                                  # (B, KVH, Dh)
-        v_at[pos] = self.v
-        if keys_transposed:                                                 # (B, KVH, Dh, max_seq_len)
-            scores = np.matmul(self.q, k_cache[..., :pos + 1])              # (B, KVH, R, S)
-        else:                                                               # (B, KVH, max_seq_len, Dh)
-            scores = np.matmul(self.q, k_cache[:, :, :pos + 1].swapaxes(-1, -2))
-        if key_bias is not None:
-            scores += key_bias
-        if self.shift:
-            scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
-        np.exp(scores, scores)
-        e_v, ev_sum, e_sum = ev
-        np.matmul(scores, v_cache[:, :, :pos + 1], out=e_v)                # (B, KVH, R, Dh + 1)
-        np.divide(ev_sum, e_sum, self.att_rows)                             # 2-D: 1.8 us, against 2.9 in 4-D
 
 
 def _checked_layout(layout: str | None) -> str | None:
