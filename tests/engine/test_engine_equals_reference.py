@@ -123,6 +123,25 @@ def key_layout(transposed: bool):
     return mock.patch.object(engine_cache, "TRANSPOSED_KEYS_MAX", 1 << 62 if transposed else 0)
 
 
+@pytest.mark.parametrize("transposed", [True, False])
+def test_a_position_written_through_k_at_and_v_at_is_what_the_cache_holds_there(transposed):
+    """DecodeCache.k_at and v_at are views of k and v with the position first: the decode step
+    writes its keys and values through them, and the attention reads them from k and v."""
+    with key_layout(transposed):
+        cache = DecodeCache(n_layers=2, batch_size=3, n_kv_heads=2, max_seq_len=5, head_dim=4, dtype=np.float64)
+    assert cache.keys_transposed == transposed
+    rng = np.random.default_rng(0)
+    k_new, v_new = rng.standard_normal((3, 2, 4)), rng.standard_normal((3, 2, 4))
+    cache.k_at[1, 3] = k_new
+    cache.v_at[1, 3] = v_new
+    keys = cache.k.swapaxes(-1, -2) if transposed else cache.k            # (L, B, KVH, S, Dh)
+    assert np.array_equal(keys[1, :, :, 3], k_new) and np.array_equal(cache.v[1, :, :, 3, :4], v_new)
+    keys_elsewhere = np.delete(keys, 3, axis=3)
+    assert not keys_elsewhere[1].any() and not keys[0].any()               # no other position or layer
+    assert not np.delete(cache.v[..., :4], 3, axis=3)[1].any() and not cache.v[0, ..., :4].any()
+    assert (cache.v[..., 4] == 1.0).all()                                  # the ones column untouched
+
+
 @settings(max_examples=25)
 @given(configs(), st.integers(1, 4), st.integers(1, 6), LAYOUTS, st.booleans(), st.booleans(),
        st.sampled_from([None, 1, projections.CLASSIFIER_COPY_MIN_STEPS]), st.booleans(), st.booleans(),
