@@ -312,7 +312,7 @@ def decode_round(row: Row, torch_side, runc):
         start = time.perf_counter()
         ours = np.stack(generate_batch(row.model, list(row.prompt), n))
         row.add("npllama auto", B * n / (time.perf_counter() - start))
-    if B > 1:          # a few rows' large products use every core (projections.CORES_MIN_WEIGHTS): also one
+        # a few rows' large products use every core (projections.CORES_MIN_WEIGHTS): also one
         with npllama_on_one_thread():
             start = time.perf_counter()
             generate_batch(row.model, list(row.prompt), n)
