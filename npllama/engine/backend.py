@@ -20,7 +20,7 @@ from ..model import layer_param_names, layer_weights
 from ..storage import copy_into
 from .adamw import FusedAdamW
 from .cache import DecodeCache
-from .decode import EngineDecoder, choose_layout
+from .decode import EngineDecoder, choose_layout, uses_helper_process
 from .layout import FlatLayout, flat_params
 from .passes import forward, loss_and_grads
 from .projections import copies_classifier, gemv_padded_rows
@@ -75,7 +75,8 @@ class EngineBackend:
     def decoder_copy_bytes(self, params: dict, dtype, batch_size: int = 1, steps: int | None = None) -> int:
         """The bytes a decoder of batch_size rows, for `steps` steps (None: not known), copies of the
         weights: the stacked, norm-folded copies of a small model's blocks (at most every block's
-        matrices, each stack padded as projections.gemv_padded_rows may pad it), and its classifier
+        matrices, each stack padded as projections.gemv_padded_rows may pad it where no helper process
+        takes half of it, decode.uses_helper_process), and its classifier
         where projections.copies_classifier copies it; the embedding is read in place."""
         if choose_layout(params) != "stacked":
             return 0
@@ -87,8 +88,12 @@ class EngineBackend:
         if copies_classifier(classifier.size, batch_size, steps):
             stacks.append([classifier])
         itemsize = np.dtype(dtype).itemsize
-        return sum(gemv_padded_rows(sum(a.shape[0] for a in stack), stack[0].shape[1]) * stack[0].shape[1] * itemsize
-                   for stack in stacks)
+        padding = not uses_helper_process(batch_size)       # a helper process's halves are never padded
+        total = 0
+        for stack in stacks:
+            rows, n_in = sum(a.shape[0] for a in stack), stack[0].shape[1]
+            total += (gemv_padded_rows(rows, n_in) if padding else rows) * n_in * itemsize
+        return total
 
     def pass_footprint(self, batch_size: int, seq_len: int, dim: int, workers=None) -> tuple[int, int]:
         """(rows whose activations are alive at once, shards whose gradients are summed): shards.pass_footprint."""

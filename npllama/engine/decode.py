@@ -40,7 +40,8 @@ from .settings import blas_threads
 from .cache import DecodeCache
 from .fused import row_dot
 from .passes import forward
-from .projections import Activations, InPlaceProjections, RowHalves, StackedProjections
+from .helper import HelperProcess, available as helper_available
+from .projections import Activations, InPlaceProjections, RowHalves, StackedProjections, product_threads
 from .upcast import has_half
 from ..errors import NpllamaError
 
@@ -52,7 +53,9 @@ from ..errors import NpllamaError
 # Its large products (projections.CORES_MIN_WEIGHTS multiply-adds and more) run on the process's
 # BLAS threads, as many as there were when the step was made; in a process set to one BLAS
 # thread (npllama.engine.blas_threads(1), the advice for a busy machine) their rows go in halves
-# on the decoder's helper thread instead (projections.RowHalves), which sleeps while it waits.
+# on the decoder's helper thread instead (projections.RowHalves), which sleeps while it waits. A
+# one-row step on two BLAS threads shares its products with a helper process instead, where the
+# platform has one (uses_helper_process): both sides then run one BLAS thread.
 DECODE_BLAS_THREADS = 1
 
 # Weights up to this many bytes are copied once per generation into the stacked, norm-folded
@@ -89,7 +92,8 @@ class DecodeStep:
     changing the parameters), "in_place" (the parameters themselves, never copied), or None to
     choose by size (choose_layout). Half-held parameters (float16 / bfloat16) are always read in
     place, a block of rows at a time in float32. halves: the helper thread the large products
-    share their rows with (projections.RowHalves), or None for one thread. steps: how many steps
+    share their rows with (projections.RowHalves), or None for one thread; a one-row step forks a
+    helper process instead where it can (uses_helper_process), ended by close(). steps: how many steps
     the generation will run (None: not known), by which a stacked step decides whether copying its
     classifier pays (projections.copies_classifier).
 
@@ -103,13 +107,19 @@ class DecodeStep:
         dtype = cos.dtype
         B, D, H, KVH, Dh = batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim
         R, F = H // KVH, config.hidden_dim
-        self.acts = acts = Activations(config, B, dtype)
+        self.helper = helper = HelperProcess() if uses_helper_process(B) else None
+        self.acts = acts = Activations(config, B, dtype, empty=helper.empty if helper else np.empty)
         layout = _checked_layout(layout) or choose_layout(params)
         if layout == "stacked":
-            self.projections = StackedProjections(params, config, acts, halves, steps)
+            self.projections = StackedProjections(params, config, acts, helper or halves, steps)
         else:
-            self.projections = InPlaceProjections(params, config, acts, halves)
+            self.projections = InPlaceProjections(params, config, acts, helper or halves)
         self.layout = layout
+        if helper is not None:
+            if helper.jobs:
+                helper.start()          # forked last: it holds the copies and the products' halves
+            else:
+                self.helper = None      # no product large enough to share
         complex_dtype = np.result_type(dtype, np.complex64)
         self.rotations = (cos + 1j * sin).astype(complex_dtype)          # (max_seq_len, Dh/2): e^(i p theta_j)
         # a position's rotations repeated for each of q's and k's heads, copied once a step: each
@@ -133,6 +143,11 @@ class DecodeStep:
             self._normalize = self._normalize_row
         else:
             self.sum_squares = np.empty((B, 1), dtype)
+
+    def close(self) -> None:
+        """End the helper process, if the step has one (a step unclosed ends it when collected)."""
+        if self.helper is not None:
+            self.helper.close()
 
     def __call__(self, ids: np.ndarray, pos: int, kv_cache: DecodeCache,
                  key_bias: np.ndarray | None = None) -> np.ndarray:
@@ -217,6 +232,14 @@ class DecodeStep:
         np.divide(x, norm, self.xn_row)
 
 
+def uses_helper_process(batch_size: int) -> bool:
+    """Whether a step of batch_size rows shares its large products with a helper process
+    (engine/helper.py): one row, where the platform allows one (helper.available) and the process
+    two BLAS threads on two cores (projections.product_threads), whose place it then takes: its
+    OpenBLAS calls run on one thread each side."""
+    return batch_size == 1 and helper_available() and product_threads() >= 2
+
+
 def _checked_layout(layout: str | None) -> str | None:
     if layout not in (None, "stacked", "in_place"):
         raise NpllamaError(f"layout={layout!r}; use 'stacked', 'in_place' or None (chosen by size)")
@@ -264,4 +287,6 @@ class EngineDecoder(Decoder):
 
     def close(self):
         self.halves.close()
+        if self.step_fn is not None:
+            self.step_fn.close()
         self.cache = None

@@ -39,6 +39,14 @@ at least SPLIT_MIN_WEIGHTS weights cuts W's rows in two halves, the second run b
 helper thread (RowHalves), which sleeps between jobs, while the caller runs the first. Each half
 is its own NumPy calls, so the dot products and their sums are the same whichever thread runs them.
 
+Two processes. A one-row step on two cores and two BLAS threads, where the platform has them
+(decode.uses_helper_process), forks a helper process (engine/helper.py) in their place: every
+Product of HELPER_MIN_WEIGHTS weights or more gives it the second half of W (a stacked copy's
+columns, made as two contiguous copies; or W's rows, in place) while the caller computes the first,
+both on one BLAS thread, x and out in memory the two share (Activations' empty). Its hand-off costs
+~2 us where a thread's costs ~75: products of 83,000 to 249,000 weights, which OpenBLAS keeps on one
+thread, are then read by both cores too. No copy is padded for OpenBLAS's threads then.
+
 Two layouts of the weights (engine.decode.DecodeStep picks one by size):
 
 StackedProjections, for small models, where a step costs per NumPy call: [wq; wk; wv] and
@@ -74,7 +82,9 @@ from ..model import layer_weights, output_weight_name
 from .settings import blas_core, blas_threads, get_blas_threads
 from .shards import available_cores
 from .stacked import ScaledRows, folded_layer, norm_gain
+from .helper import HelperProcess
 from .upcast import upcast_into
+from ..errors import NpllamaError
 
 # Rows of a half-held matrix turned into float32 at a time: about 2^18 weights, a 1 MB buffer that
 # stays in L2 (measured at 110M: 64K-256K weights a block are best, a whole matrix ~10% slower; at
@@ -106,6 +116,11 @@ FEW_ROWS = 32
 # many weights is cut in two halves of W's rows, the second on the helper thread (RowHalves). A
 # hand-off costs ~20 us; half of a 1 MB matrix read at ~10 GB/s saves ~50.
 SPLIT_MIN_WEIGHTS = 1 << 17
+# A one-row product through at least this many weights gives half of W to the decoder's helper
+# process (engine/helper.py), when it has one: a round trip costs ~2 us there, the time to read
+# ~10,000 weights on one core. Measured on 15M's shape (6 December 2026, AMD EPYC, alternating):
+# every product so split, 344-417 tokens/s against 287-318 on one core and OpenBLAS's threads.
+HELPER_MIN_WEIGHTS = 1 << 16
 # A product of at least this many multiply-adds (rows x weights) through float weights: OpenBLAS
 # on all cores. One row, measured (2 December 2026, cold matrices, per call): 2304 x 768 123 us on
 # two threads against 487 on one and 376 in RowHalves' halves; 4096 x 288 (in, out) 96 against
@@ -185,6 +200,10 @@ class RowHalves:
             except BaseException as e:      # handed to the caller, which raises it
                 self._error = e
             self._done.release()
+
+    def register(self, pieces: list) -> list:
+        """The job `run` takes for these pieces: the pieces themselves (HelperProcess's takes an index)."""
+        return pieces
 
     def run(self, theirs: list, ours: list) -> None:
         """Call every piece of `theirs` on the helper thread and of `ours` on this one."""
@@ -273,14 +292,15 @@ def gemv_padded_rows(n: int, n_in: int) -> int:
     return padded if n < padded <= n * GEMV_PAD_MAX_GROWTH else n
 
 
-def gemv_padding(parts: list, rows_first: bool) -> list:
+def gemv_padding(parts: list, rows_first: bool, process: bool = False) -> list:
     """The zero rows to stack under parts (ScaledRows) so that a copy read a row at a time reaches
     GEMV_THREADS_MIN_WEIGHTS, where OpenBLAS runs it on every core (gemv_padded_rows): one
     ScaledRows of zeros when the copy is rows_first and the process has two cores' BLAS threads for
-    it, else none. The zero columns of x @ W are never read."""
+    it, else none (nor where a helper process takes half of it instead: `process`). The zero columns of
+    x @ W are never read."""
     n, n_in = sum(p.w.shape[0] for p in parts), parts[0].w.shape[1]
     padded = gemv_padded_rows(n, n_in)
-    if not rows_first or product_threads() < 2 or padded == n:
+    if not rows_first or process or product_threads() < 2 or padded == n:
         return []
     return [ScaledRows(np.zeros((padded - n, n_in), parts[0].w.dtype), None)]
 
@@ -292,15 +312,18 @@ class Product:
     gemv_padding). pre and post are calls made before and after (a norm's gain on x, a scale on
     out). Calling it computes out."""
 
-    def __init__(self, ws, x, out, halves: RowHalves | None = None, pre=(), post=(), rows_first=False,
-                 buffers=(None, None)):
+    def __init__(self, ws, x, out, halves: RowHalves | HelperProcess | None = None, pre=(), post=(),
+                 rows_first=False, buffers=(None, None)):
         B, n_in = x.shape
         self.pre, self.post, self.halves, self.cores = list(pre), list(post), None, None
-        n = ws[0].shape[1] if rows_first else sum(w.shape[0] for w in ws)
+        n = sum(w.shape[1] for w in ws) if rows_first else sum(w.shape[0] for w in ws)
+        process = isinstance(halves, HelperProcess)
+        if process and B != 1:
+            raise NpllamaError(f"a HelperProcess splits one-row products; got {B} rows")
         threads = product_threads()
         gemv_a_row = B == 1 or rows_first
         large = B * n * n_in >= CORES_MIN_WEIGHTS or (gemv_a_row and n * n_in >= GEMV_THREADS_MIN_WEIGHTS)
-        if large and threads >= 2 and all(w.dtype == x.dtype for w in ws):
+        if large and threads >= 2 and all(w.dtype == x.dtype for w in ws) and not process:
             self.cores = blas_threads(threads)                        # the step runs on one BLAS thread
         self.row_by_row = B <= ROW_BY_ROW and (rows_first or self.cores is not None)
         if rows_first and n > out.shape[1]:         # W padded with zero columns (gemv_padding): its own out
@@ -308,6 +331,12 @@ class Product:
             self.post.append(partial(np.copyto, out, wide[:, :out.shape[1]]))
             out = wide
         if rows_first:                                              # x, out contiguous (Activations)
+            if len(ws) == 2:                                        # column halves, the second the helper's
+                h = ws[0].shape[1]
+                self.halves = halves
+                self.ours = [partial(np.dot, x[0], ws[0], out=out[0, :h])]
+                self.theirs = halves.register([partial(np.dot, x[0], ws[1], out=out[0, h:])])
+                return
             # np.dot: ~1 us a call less than np.matmul; on BLAS threads a row at a time (see ROW_BY_ROW)
             self.ours = ([partial(np.dot, x[b], ws[0], out=out[b]) for b in range(B)] if self.row_by_row
                          else [partial(np.dot, x, ws[0], out=out)])
@@ -320,11 +349,11 @@ class Product:
             self.post.insert(0, partial(np.copyto, out, self.out_t.T))
         self.x, self.out = x, out
         rows = [(w, start) for w, start in zip(ws, np.cumsum([0] + [w.shape[0] for w in ws]))]
-        if halves is not None and B <= FEW_ROWS and self.cores is None and n * n_in >= SPLIT_MIN_WEIGHTS \
-                and available_cores() >= 2 and n >= 2:
+        if halves is not None and B <= FEW_ROWS and self.cores is None and n >= 2 \
+                and n * n_in >= (HELPER_MIN_WEIGHTS if process else SPLIT_MIN_WEIGHTS) and available_cores() >= 2:
             self.halves = halves
             self.ours = self._pieces(_rows_between(rows, 0, n // 2), buffers[0])
-            self.theirs = self._pieces(_rows_between(rows, n // 2, n), buffers[1])
+            self.theirs = halves.register(self._pieces(_rows_between(rows, n // 2, n), buffers[1]))
         else:
             self.ours = self._pieces(rows, buffers[0])
 
@@ -396,7 +425,7 @@ def _rows_between(rows, lo, hi):
 TRANSPOSE_BLOCK_ROWS = 256
 
 
-def stacked_copy(parts: list, dtype, transposed: bool) -> np.ndarray:
+def stacked_copy(parts: list, dtype, transposed: bool, halves: bool = False):
     """[w_1 * f_1; w_2 * f_2; ...] for parts ScaledRows(w_j, f_j), each w_j's rows times its factor
     (none when None), in dtype: one new array (n, in), or its transpose (in, n) C-contiguous when
     `transposed`. Made TRANSPOSE_BLOCK_ROWS rows at a time, each block read once, scaled and written
@@ -406,22 +435,31 @@ def stacked_copy(parts: list, dtype, transposed: bool) -> np.ndarray:
     132 for np.ascontiguousarray(w.T), whose one strided pass misses the cache on every element; a
     one-row step of 15M made in 38-39 ms, against 54-62 when the stacking, the norms' folding and the
     transposition were three passes (and 74-273 before the blocks); 20 ms once its classifier was
-    read in place."""
+    read in place.
+    halves (transposed only): the copy as two arrays, its first n // 2 columns and the rest, each
+    C-contiguous, for a product split between two processes (a strided half costs NumPy a copy a call)."""
     n, n_in = sum(p.w.shape[0] for p in parts), parts[0].w.shape[1]
-    out = np.empty((n_in, n) if transposed else (n, n_in), dtype=dtype)
+    if halves and not transposed:
+        raise NpllamaError("stacked_copy: halves only of a transposed copy")
+    cuts = [0, n // 2, n] if halves else [0, n]
+    outs = [np.empty((n_in, b - a) if transposed else (b - a, n_in), dtype=dtype) for a, b in zip(cuts, cuts[1:])]
     start = 0
     for w, factor in parts:
         for r0 in range(0, w.shape[0], TRANSPOSE_BLOCK_ROWS):
             block = w[r0:r0 + TRANSPOSE_BLOCK_ROWS]
             if factor is not None:
                 block = block * factor
-            rows = slice(start + r0, start + r0 + block.shape[0])
-            if transposed:
-                out[:, rows] = block.T
-            else:
-                out[rows] = block
+            first, end = start + r0, start + r0 + block.shape[0]
+            for out, a, b in zip(outs, cuts, cuts[1:]):
+                lo, hi = max(first, a), min(end, b)
+                if lo < hi:
+                    rows = block[lo - first:hi - first]
+                    if transposed:
+                        out[:, lo - a:hi - a] = rows.T
+                    else:
+                        out[lo - a:hi - a] = rows
         start += w.shape[0]
-    return out
+    return outs if halves else outs[0]
 
 
 def half_buffers(params: dict, dtype, max_in: int):
@@ -443,24 +481,25 @@ class Activations:
     """A step's buffers, made once per decoder, for batch_size rows in the compute dtype: the
     projections read and write them (Product), the step's other ops work between them."""
 
-    def __init__(self, config: LlamaConfig, batch_size: int, dtype):
+    def __init__(self, config: LlamaConfig, batch_size: int, dtype, empty=np.empty):
+        """empty: how each buffer is made (HelperProcess.empty: in memory a helper process shares)."""
         B, D, H, KVH, Dh, F = (batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim,
                                config.hidden_dim)
-        self.x = np.empty((B, D), dtype)                         # the residual stream
-        self.xn = np.empty((B, D), dtype)                        # a norm's output: input of qkv, gate_up, logits
-        self.qkv = np.empty((B, (H + 2 * KVH) * Dh), dtype)     # [q / sqrt(Dh) | k | v]
-        self.att = np.empty((B, H * Dh), dtype)                  # attention's output: input of o
-        self.res = np.empty((B, D), dtype)                       # o's and down's output, added to the residual
-        self.ab = np.empty((B, 2 * F), dtype)                    # [-a | b] = [-w1 xn | w3 xn]
-        self.g = np.empty((B, F), dtype)                         # -silu(a) b: input of down
-        self.logits = np.empty((B, config.vocab_size), dtype)
+        self.x = empty((B, D), dtype)                         # the residual stream
+        self.xn = empty((B, D), dtype)                        # a norm's output: input of qkv, gate_up, logits
+        self.qkv = empty((B, (H + 2 * KVH) * Dh), dtype)     # [q / sqrt(Dh) | k | v]
+        self.att = empty((B, H * Dh), dtype)                  # attention's output: input of o
+        self.res = empty((B, D), dtype)                       # o's and down's output, added to the residual
+        self.ab = empty((B, 2 * F), dtype)                    # [-a | b] = [-w1 xn | w3 xn]
+        self.g = empty((B, F), dtype)                         # -silu(a) b: input of down
+        self.logits = empty((B, config.vocab_size), dtype)
 
 
 class StackedProjections:
     """Stacked, folded copies of the weights, oriented for the batch size (small models)."""
 
-    def __init__(self, params: dict, config: LlamaConfig, acts: Activations, halves: RowHalves | None = None,
-                 steps: int | None = None):
+    def __init__(self, params: dict, config: LlamaConfig, acts: Activations,
+                 halves: RowHalves | HelperProcess | None = None, steps: int | None = None):
         B, Dh = acts.xn.shape[0], config.head_dim
         # OpenBLAS picks its kernel by shape. Measured per step (one thread): with 2 rows, x @ W
         # with W stored (in, out) beats (W @ x.T).T with W stored (out, in), as Meta has it, by
@@ -472,12 +511,16 @@ class StackedProjections:
         rows_first = B <= ROW_BY_ROW
         dtype = acts.xn.dtype
 
+        process = isinstance(halves, HelperProcess)
+
         def product(parts, x, out):
             if len(parts) == 1 and parts[0].factor is None and not rows_first:
-                w = parts[0].w.astype(dtype, copy=False)           # read in place: no copy to make
+                ws = [parts[0].w.astype(dtype, copy=False)]        # read in place: no copy to make
+            elif process and sum(p.w.size for p in parts) >= HELPER_MIN_WEIGHTS and sum(len(p.w) for p in parts) >= 2:
+                ws = stacked_copy(parts, dtype, transposed=True, halves=True)    # the second half the helper's
             else:
-                w = stacked_copy(parts + gemv_padding(parts, rows_first), dtype, transposed=rows_first)
-            return Product([w], x, out, halves, rows_first=rows_first).call
+                ws = [stacked_copy(parts + gemv_padding(parts, rows_first, process), dtype, transposed=rows_first)]
+            return Product(ws, x, out, halves, rows_first=rows_first).call
 
         self.layers = []
         for i in range(config.n_layers):
@@ -507,7 +550,8 @@ class StackedProjections:
 class InPlaceProjections:
     """The parameters read where they are (large models, memory-mapped or half-held weights)."""
 
-    def __init__(self, params: dict, config: LlamaConfig, acts: Activations, halves: RowHalves | None = None):
+    def __init__(self, params: dict, config: LlamaConfig, acts: Activations,
+                 halves: RowHalves | HelperProcess | None = None):
         D, H, Dh, F = config.dim, config.n_heads, config.head_dim, config.hidden_dim
         self.dtype = dtype = acts.xn.dtype
         buffers = half_buffers(params, dtype, max(D, F))

@@ -11,6 +11,7 @@ bfloat16, all within 1e-10 relative of the reference. tests/test_backends.py run
 """
 
 import contextlib
+import os
 import threading
 import time
 from unittest import mock
@@ -22,6 +23,7 @@ from hypothesis import given, settings, strategies as st
 import npllama
 from npllama import model as reference
 from npllama.engine import block, decode, passes, projections, shards
+from npllama.engine import backend as engine_backend, helper as engine_helper
 from npllama.engine import settings as engine_settings
 from npllama.engine import cache as engine_cache
 from npllama.engine.cache import DecodeCache
@@ -142,13 +144,13 @@ def test_a_position_written_through_k_at_and_v_at_is_what_the_cache_holds_there(
     assert (cache.v[..., 4] == 1.0).all()                                  # the ones column untouched
 
 
-@settings(max_examples=25)
+@settings(max_examples=30)
 @given(configs(), st.integers(1, 4), st.integers(1, 6), LAYOUTS, st.booleans(), st.booleans(),
        st.sampled_from([None, 1, projections.CLASSIFIER_COPY_MIN_STEPS]), st.booleans(), st.booleans(),
-       st.integers(0, 10_000))
+       st.booleans(), st.integers(0, 10_000))
 def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(cfg, B, P, layout, split,
                                                                                keys_transposed, steps, small_blocks,
-                                                                               shifted, seed):
+                                                                               shifted, helper, seed):
     """split: every few-row GEMM cut into two halves of W's rows on two threads (projections.RowHalves),
     and every one-row product run on two BLAS threads, as large models' are, whatever its size and
     the machine's cores (a few rows' GEMM there in blocks of 5 of W's rows, CORES_BLOCK_ROWS, and
@@ -160,8 +162,11 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
     small_blocks: a few rows' products on one thread go one row of W a call, as OpenBLAS's small-matrix
     blocks do at scale (SMALL_BLOCKS, SMALL_GEMM_MNK), else all of W in one call.
     shifted: no softmax denominator passes the step's check (an empty SOFTMAX_SUM_RANGE), so the
-    first step runs again with each row's max subtracted, and every later step runs so at once."""
-    with key_layout(keys_transposed), \
+    first step runs again with each row's max subtracted, and every later step runs so at once.
+    helper: one row's every product, whatever its size, split in halves with a helper process
+    (engine/helper.py; HELPER_MIN_WEIGHTS 0), which then takes the place of the two-thread paths;
+    else no helper process, as on a platform without one."""
+    with key_layout(keys_transposed), helper_process(helper), \
             mock.patch.object(decode, "SOFTMAX_SUM_RANGE", (np.inf, 0.0) if shifted else decode.SOFTMAX_SUM_RANGE), \
             mock.patch.object(projections, "SMALL_BLOCKS", small_blocks), \
             mock.patch.object(projections, "SMALL_GEMM_MNK", 1), \
@@ -172,9 +177,10 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
             mock.patch.object(projections, "GEMV_PAD_MAX_GROWTH", 100 if split else projections.GEMV_PAD_MAX_GROWTH), \
             mock.patch.object(projections, "CORES_BLOCK_ROWS", 5 if split else projections.CORES_BLOCK_ROWS), \
             mock.patch.object(projections, "get_blas_threads", lambda: 2), \
-            mock.patch.object(projections, "available_cores", lambda: 2 if split else 1):
+            mock.patch.object(projections, "available_cores", lambda: 2 if split or helper else 1):
         step = _decode_equals_the_reference(cfg, B, P, layout, seed, steps)
     assert step.shift == shifted
+    assert (step.helper is not None) == (helper and B == 1 and engine_helper.available())
 
 
 def _decode_equals_the_reference(cfg, B, P, layout, seed, steps=None):
@@ -191,7 +197,17 @@ def _decode_equals_the_reference(cfg, B, P, layout, seed, steps=None):
         expected = reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]
         assert rel_error(logits, expected) < TOL, pos
     halves.close()
+    step.close()
     return step
+
+
+@contextlib.contextmanager
+def helper_process(on: bool):
+    """One-row steps with a helper process splitting every product (on; only where the platform has
+    them), or none."""
+    with mock.patch.object(decode, "uses_helper_process", lambda B: on and B == 1 and engine_helper.available()), \
+            mock.patch.object(projections, "HELPER_MIN_WEIGHTS", 0 if on else projections.HELPER_MIN_WEIGHTS):
+        yield
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -239,10 +255,12 @@ def test_a_copy_just_short_of_openblas_threads_is_padded_with_zeros_and_read_on_
     process's BLAS threads and hands on only its own columns: the steps still equal the reference.
     The bytes a decoder copies (backend.decoder_copy_bytes, which the memory check before generation
     uses) count the padding. Neither with one BLAS thread, nor when the padding would grow the copy
-    past the bound."""
+    past the bound. (One row, where no helper process takes half of it: a platform without one.)"""
     cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=13, hidden_dim=20,
                               max_seq_len=10)
     model = random_model(cfg, 3)
+    monkeypatch.setattr(decode, "uses_helper_process", lambda B: False)
+    monkeypatch.setattr(engine_backend, "uses_helper_process", lambda B: False)      # decoder_copy_bytes' too
     monkeypatch.setattr(projections, "available_cores", lambda: 2)
     monkeypatch.setattr(projections, "GEMV_THREADS_MIN_WEIGHTS", 8 * 43)     # [-w1; w3]: 40 columns -> 43
     seq = np.random.default_rng(3).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
@@ -271,6 +289,65 @@ def test_a_copy_just_short_of_openblas_threads_is_padded_with_zeros_and_read_on_
     assert weights(gate_up_copy(blas=1)).shape == (8, 40)
     monkeypatch.setattr(projections, "GEMV_PAD_MAX_GROWTH", 1.05)            # 43 > 40 * 1.05: no padding
     assert weights(gate_up_copy(blas=2)).shape == (8, 40)
+
+
+@pytest.mark.skipif(not engine_helper.available(), reason="a helper process needs Linux on x86-64")
+@pytest.mark.parametrize("layout", ["stacked", "in_place"])
+def test_a_one_row_step_shares_its_large_products_with_a_helper_process(monkeypatch, layout):
+    """With two cores and two BLAS threads, a one-row step forks a helper process that computes the
+    second half of every product of HELPER_MIN_WEIGHTS weights or more (a stacked copy's columns, as
+    two contiguous copies and never padded; or W's rows read in place), and none of the others; the
+    steps equal the reference, the bytes a decoder copies are what it holds, and closing the step, or
+    ending a generate call, ends the process."""
+    cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=13, hidden_dim=20,
+                              max_seq_len=10)
+    model = random_model(cfg, 5)
+    monkeypatch.setattr(projections, "available_cores", lambda: 2)
+    monkeypatch.setattr(projections, "get_blas_threads", lambda: 2)
+    monkeypatch.setattr(projections, "HELPER_MIN_WEIGHTS", 8 * 20)      # [-w1; w3] and w2 only
+    started = []
+    start = engine_helper.HelperProcess.start
+    monkeypatch.setattr(engine_helper.HelperProcess, "start", lambda self: (start(self), started.append(self.pid)))
+    step = DecodeStep(model.params, cfg, model.rope, 1, layout=layout)
+    assert step.helper is not None and started == [step.helper.pid]
+    qkv, o, gate_up, down = step.projections.layers[0]
+    for product in (gate_up, down):
+        assert isinstance(product, projections.Product) and product.halves is step.helper and product.cores is None
+        (ours,) = product.ours
+        if layout == "stacked":                                             # x @ a copy (in, n/2)
+            (their_piece,) = step.helper.jobs[product.theirs]
+            for piece in (ours, their_piece):
+                w = piece.args[1]
+                assert w.flags.c_contiguous and w.shape[1] == piece.keywords["out"].shape[0] > 0
+        else:                                                               # W[:n/2] @ x, W read in place
+            assert any(np.shares_memory(ours.args[0], p) for p in model.params.values())
+    for product in (qkv, o):                                                # below the bound: all here
+        assert not isinstance(product, projections.Product) or product.halves is None
+    seq = np.random.default_rng(5).integers(0, cfg.vocab_size, cfg.max_seq_len)
+    kv = model.new_kv_cache(1)
+    for pos in range(cfg.max_seq_len):
+        logits = step(seq[None, pos], pos, kv)
+        assert rel_error(logits, reference.forward(model.params, cfg, seq[None, :pos + 1])[0][:, -1]) < TOL, pos
+    if layout == "stacked":
+        held = [piece.args[1] for layer in step.projections.layers for p in layer
+                for piece in ([p] if not isinstance(p, projections.Product) else p.ours)]
+        theirs = [piece.args[1] for job in step.helper.jobs for piece in job]
+        logits = step.projections.logits
+        assert model.backend.decoder_copy_bytes(model.params, model.dtype, 1) == \
+            sum(w.nbytes for w in held + theirs) + logits.args[1].nbytes            # a small classifier: copied
+    pid = step.helper.pid
+    step.close()
+    assert helper_ended(pid)
+    model.generate([1, 2], max_new_tokens=5)
+    assert len(started) == 2 and helper_ended(started[1])
+
+
+def helper_ended(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True                     # reaped by close()
+    return False
 
 
 @pytest.mark.parametrize("B", [1, 2, 3])
