@@ -120,6 +120,10 @@ class DecodeStep:
                 helper.start()          # forked last: it holds the copies and the products' halves
             else:
                 self.helper = None      # no product large enough to share
+        # The step's BLAS thread count, set for each step and restored after it; none set beside a
+        # helper process, whose products' blocks are all too small for OpenBLAS's threads
+        # (projections.helper_cuts): after the fork, setting it would start OpenBLAS's pool anew.
+        self.blas = blas_threads(None if self.helper else DECODE_BLAS_THREADS)
         complex_dtype = np.result_type(dtype, np.complex64)
         self.rotations = (cos + 1j * sin).astype(complex_dtype)          # (max_seq_len, Dh/2): e^(i p theta_j)
         # a position's rotations repeated for each of q's and k's heads, copied once a step: each
@@ -157,7 +161,7 @@ class DecodeStep:
         key_bias, when given, broadcasts to (B, KVH, R, pos + 1): 0 where a key may be attended,
         -inf where not.
         """
-        with blas_threads(DECODE_BLAS_THREADS):
+        with self.blas:
             if not self.shift:
                 # exp(-a) -> inf gives silu 0, right; a row's exp overflowing (and then inf / inf) is caught below
                 with np.errstate(over="ignore", invalid="ignore"):

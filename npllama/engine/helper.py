@@ -23,10 +23,12 @@ changes after the fork, the activations a job reads and the outputs it writes, l
 mapped shared (empty()). A job is a list of calls without arguments registered before start(). run()
 writes the job's index and then a new sequence number into the shared control words, runs the
 caller's half, and polls until the helper has written that number back. The helper polls the
-sequence number while a generation runs, and naps (IDLE_NAP) once no job has come for IDLE_SPIN
-seconds, checking then that its parent is alive (it exits when not). It ignores Ctrl-C (the parent
-handles it and closes the helper), runs one BLAS thread, and ends with os._exit, flushing nothing of
-its parent's.
+sequence number while a generation runs, and naps (IDLE_NAP, later IDLE_LONG_NAP) once no job has
+come for IDLE_SPIN seconds, checking then that its parent is alive (it exits when not). It ignores Ctrl-C (the parent
+handles it and closes the helper) and ends with os._exit, flushing nothing of
+its parent's. It sets no BLAS thread count: OpenBLAS shuts its threads down at a fork and starts
+them anew at the next call that sets one, and they spin some 0.1 s; the jobs are cut so that none
+is large enough for OpenBLAS to thread (projections.helper_cuts).
 
 Only on Linux on x86-64 (available()): fork is the POSIX call, and the order of the control words
 relies on x86's stores becoming visible in program order (its loads, likewise), so that a sequence
@@ -49,16 +51,17 @@ import weakref
 import numpy as np
 
 from ..errors import NpllamaError
-from .settings import set_blas_threads
 
 # Control words, int64s at the start of the shared control page.
 SEQ, JOB, DONE, FAILED = 0, 1, 2, 3
 EXIT = -1                           # a sequence number that ends the helper
 # The helper polls without pause for this long after its last job (a generation's steps come
 # microseconds apart, between them the caller's sampling), then naps between polls: a paused
-# generator costs no core, and its next step's first product waits at most a nap.
+# generator costs no core, and its next step's first product waits at most a nap; after a second
+# without a job, a longer one (a step never closed, its helper waiting to be collected).
 IDLE_SPIN = 0.005
 IDLE_NAP = 0.0002
+IDLE_LONG, IDLE_LONG_NAP = 1.0, 0.01
 # The caller checks the helper is alive every this many polls of a wait (~1 ms)
 ALIVE_CHECK_POLLS = 1 << 13
 
@@ -107,7 +110,6 @@ class HelperProcess:
             code = 1
             try:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
-                set_blas_threads(1)
                 _serve(words, jobs, parent)
                 code = 0
             finally:
@@ -165,8 +167,9 @@ def _serve(words, jobs, parent) -> None:
     while True:
         seq = words[SEQ]
         if seq == seen:
-            if time.perf_counter() - last > IDLE_SPIN:
-                time.sleep(IDLE_NAP)
+            idle = time.perf_counter() - last
+            if idle > IDLE_SPIN:
+                time.sleep(IDLE_NAP if idle < IDLE_LONG else IDLE_LONG_NAP)
                 if os.getppid() != parent:
                     return
             continue

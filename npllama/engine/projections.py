@@ -280,6 +280,17 @@ def copies_classifier(n_weights: int, batch_size: int, steps: int | None) -> boo
     return batch_size <= ROW_BY_ROW and steps is not None and steps >= CLASSIFIER_COPY_MIN_STEPS
 
 
+def helper_cuts(n: int, n_in: int) -> list[int]:
+    """The boundaries of the blocks of rows of W (n, n_in) a one-row product shares with a helper
+    process (HELPER_MIN_WEIGHTS): an even number of nearly equal blocks, the first half the caller's,
+    each under GEMV_THREADS_MIN_WEIGHTS weights. Neither process's OpenBLAS then starts a thread of
+    its own: after a fork it would start its pool anew, and its threads spin some 0.1 s on the cores
+    the two processes use (engine/helper.py)."""
+    per_half = max(1, -(-(n * n_in) // (2 * (GEMV_THREADS_MIN_WEIGHTS - 2 * n_in))))
+    blocks = 2 * per_half
+    return [i * n // blocks for i in range(blocks + 1)]
+
+
 def product_threads() -> int:
     """The BLAS threads a large product runs on: the process's, at most one per core."""
     return min(get_blas_threads() or 1, available_cores())
@@ -331,11 +342,11 @@ class Product:
             self.post.append(partial(np.copyto, out, wide[:, :out.shape[1]]))
             out = wide
         if rows_first:                                              # x, out contiguous (Activations)
-            if len(ws) == 2:                                        # column halves, the second the helper's
-                h = ws[0].shape[1]
+            if process and len(ws) >= 2:                            # column blocks, the second half the helper's
+                ends = np.cumsum([0] + [w.shape[1] for w in ws])
+                pieces = [partial(np.dot, x[0], w, out=out[0, a:b]) for w, a, b in zip(ws, ends, ends[1:])]
                 self.halves = halves
-                self.ours = [partial(np.dot, x[0], ws[0], out=out[0, :h])]
-                self.theirs = halves.register([partial(np.dot, x[0], ws[1], out=out[0, h:])])
+                self.ours, self.theirs = pieces[:len(ws) // 2], halves.register(pieces[len(ws) // 2:])
                 return
             # np.dot: ~1 us a call less than np.matmul; on BLAS threads a row at a time (see ROW_BY_ROW)
             self.ours = ([partial(np.dot, x[b], ws[0], out=out[b]) for b in range(B)] if self.row_by_row
@@ -349,8 +360,16 @@ class Product:
             self.post.insert(0, partial(np.copyto, out, self.out_t.T))
         self.x, self.out = x, out
         rows = [(w, start) for w, start in zip(ws, np.cumsum([0] + [w.shape[0] for w in ws]))]
-        if halves is not None and B <= FEW_ROWS and self.cores is None and n >= 2 \
-                and n * n_in >= (HELPER_MIN_WEIGHTS if process else SPLIT_MIN_WEIGHTS) and available_cores() >= 2:
+        if process and n >= 2 and n * n_in >= HELPER_MIN_WEIGHTS:
+            cuts = helper_cuts(n, n_in)         # row blocks, the second half the helper's
+            half = len(cuts) // 2
+            self.halves = halves
+            self.ours = [piece for a, b in zip(cuts[:half], cuts[1:half + 1])
+                         for piece in self._pieces(_rows_between(rows, a, b), buffers[0])]
+            self.theirs = halves.register([piece for a, b in zip(cuts[half:], cuts[half + 1:])
+                                           for piece in self._pieces(_rows_between(rows, a, b), buffers[1])])
+        elif halves is not None and not process and B <= FEW_ROWS and self.cores is None and n >= 2 \
+                and n * n_in >= SPLIT_MIN_WEIGHTS and available_cores() >= 2:
             self.halves = halves
             self.ours = self._pieces(_rows_between(rows, 0, n // 2), buffers[0])
             self.theirs = halves.register(self._pieces(_rows_between(rows, n // 2, n), buffers[1]))
@@ -425,7 +444,7 @@ def _rows_between(rows, lo, hi):
 TRANSPOSE_BLOCK_ROWS = 256
 
 
-def stacked_copy(parts: list, dtype, transposed: bool, halves: bool = False):
+def stacked_copy(parts: list, dtype, transposed: bool, cuts: list | None = None):
     """[w_1 * f_1; w_2 * f_2; ...] for parts ScaledRows(w_j, f_j), each w_j's rows times its factor
     (none when None), in dtype: one new array (n, in), or its transpose (in, n) C-contiguous when
     `transposed`. Made TRANSPOSE_BLOCK_ROWS rows at a time, each block read once, scaled and written
@@ -436,12 +455,14 @@ def stacked_copy(parts: list, dtype, transposed: bool, halves: bool = False):
     one-row step of 15M made in 38-39 ms, against 54-62 when the stacking, the norms' folding and the
     transposition were three passes (and 74-273 before the blocks); 20 ms once its classifier was
     read in place.
-    halves (transposed only): the copy as two arrays, its first n // 2 columns and the rest, each
-    C-contiguous, for a product split between two processes (a strided half costs NumPy a copy a call)."""
+    cuts (transposed only): the copy as a list of arrays, its columns cuts[i] .. cuts[i + 1] each, each
+    C-contiguous, for a product split between two processes (helper_cuts; a strided block of columns
+    costs NumPy a copy a call)."""
     n, n_in = sum(p.w.shape[0] for p in parts), parts[0].w.shape[1]
-    if halves and not transposed:
-        raise NpllamaError("stacked_copy: halves only of a transposed copy")
-    cuts = [0, n // 2, n] if halves else [0, n]
+    if cuts is not None and not transposed:
+        raise NpllamaError("stacked_copy: cuts only of a transposed copy")
+    listed = cuts is not None
+    cuts = cuts if listed else [0, n]
     outs = [np.empty((n_in, b - a) if transposed else (b - a, n_in), dtype=dtype) for a, b in zip(cuts, cuts[1:])]
     start = 0
     for w, factor in parts:
@@ -459,7 +480,7 @@ def stacked_copy(parts: list, dtype, transposed: bool, halves: bool = False):
                     else:
                         out[lo - a:hi - a] = rows
         start += w.shape[0]
-    return outs if halves else outs[0]
+    return outs if listed else outs[0]
 
 
 def half_buffers(params: dict, dtype, max_in: int):
@@ -517,7 +538,8 @@ class StackedProjections:
             if len(parts) == 1 and parts[0].factor is None and not rows_first:
                 ws = [parts[0].w.astype(dtype, copy=False)]        # read in place: no copy to make
             elif process and sum(p.w.size for p in parts) >= HELPER_MIN_WEIGHTS and sum(len(p.w) for p in parts) >= 2:
-                ws = stacked_copy(parts, dtype, transposed=True, halves=True)    # the second half the helper's
+                n, n_in = sum(len(p.w) for p in parts), parts[0].w.shape[1]
+                ws = stacked_copy(parts, dtype, transposed=True, cuts=helper_cuts(n, n_in))
             else:
                 ws = [stacked_copy(parts + gemv_padding(parts, rows_first, process), dtype, transposed=rows_first)]
             return Product(ws, x, out, halves, rows_first=rows_first).call
