@@ -16,6 +16,8 @@ block's layout for many rows would cost both. The reference's ops, in fewer, lar
     by the size of the weights: stacked, norm-folded copies for small models, whose steps cost
     per NumPy call, or the parameters read in place for large ones, whose steps cost per byte of
     weights read (and whose weights may be memory-mapped, or held in float16 / bfloat16);
+  - one row on two cores: each large product's second half runs in a helper process forked for
+    the generation (engine/helper.py), whose hand-off costs ~2 us where a thread's costs ~75;
   - one query needs no causal mask: every cached key 0 .. pos is in its past (a left-padded
     batch passes key_bias, -inf on its padded keys);
   - RoPE rotates q and k together with one complex multiply, as Meta's reference does: the

@@ -23,12 +23,16 @@ changes after the fork, the activations a job reads and the outputs it writes, l
 mapped shared (empty()). A job is a list of calls without arguments registered before start(). run()
 writes the job's index and then a new sequence number into the shared control words, runs the
 caller's half, and polls until the helper has written that number back. The helper polls the
-sequence number while a generation runs, and naps (IDLE_NAP, later IDLE_LONG_NAP) once no job has
-come for IDLE_SPIN seconds, checking then that its parent is alive (it exits when not). It ignores Ctrl-C (the parent
-handles it and closes the helper) and ends with os._exit, flushing nothing of
-its parent's. It sets no BLAS thread count: OpenBLAS shuts its threads down at a fork and starts
-them anew at the next call that sets one, and they spin some 0.1 s; the jobs are cut so that none
-is large enough for OpenBLAS to thread (projections.helper_cuts).
+sequence number while a generation runs, and naps (IDLE_NAP, later IDLE_LONG_NAP) once no job
+has come for IDLE_SPIN seconds, checking then that its parent is alive (it exits when not). It
+ignores Ctrl-C (the parent handles it and closes the helper) and ends with os._exit, flushing
+nothing of its parent's.
+
+Neither process sets a BLAS thread count while the helper lives: OpenBLAS shuts its threads down at
+a fork and starts its pool anew at the next call that sets one, and a new thread spins some 0.1 s
+(measured: the first 20 steps after the fork 2.8x slower with the step's usual one-thread setting).
+The jobs are cut instead so that no call is large enough for OpenBLAS to thread
+(projections.helper_cuts), and the step sets nothing (decode.DecodeStep).
 
 Only on Linux on x86-64 (available()): fork is the POSIX call, and the order of the control words
 relies on x86's stores becoming visible in program order (its loads, likewise), so that a sequence

@@ -42,10 +42,11 @@ is its own NumPy calls, so the dot products and their sums are the same whicheve
 Two processes. A one-row step on two cores and two BLAS threads, where the platform has them
 (decode.uses_helper_process), forks a helper process (engine/helper.py) in their place: every
 Product of HELPER_MIN_WEIGHTS weights or more gives it the second half of W (a stacked copy's
-columns, made as two contiguous copies; or W's rows, in place) while the caller computes the first,
-both on one BLAS thread, x and out in memory the two share (Activations' empty). Its hand-off costs
-~2 us where a thread's costs ~75: products of 83,000 to 249,000 weights, which OpenBLAS keeps on one
-thread, are then read by both cores too. No copy is padded for OpenBLAS's threads then.
+columns, made as contiguous copies; or W's rows, in place) while the caller computes the first, each
+half in blocks too small for OpenBLAS to thread (helper_cuts), x and out in memory the two share
+(Activations' empty). Its hand-off costs ~2 us where a thread's costs ~75: products of 83,000 to
+249,000 weights, which OpenBLAS keeps on one thread, are then read by both cores too. No copy is
+padded for OpenBLAS's threads then.
 
 Two layouts of the weights (engine.decode.DecodeStep picks one by size):
 
@@ -118,8 +119,9 @@ FEW_ROWS = 32
 SPLIT_MIN_WEIGHTS = 1 << 17
 # A one-row product through at least this many weights gives half of W to the decoder's helper
 # process (engine/helper.py), when it has one: a round trip costs ~2 us there, the time to read
-# ~10,000 weights on one core. Measured on 15M's shape (6 December 2026, AMD EPYC, alternating):
-# every product so split, 344-417 tokens/s against 287-318 on one core and OpenBLAS's threads.
+# ~10,000 weights on one core. Measured (6 December 2026, AMD EPYC, 256 new tokens, alternating in
+# one process, against one core and OpenBLAS's threads): a step 0.84x the time on 15M's shape, 0.78x
+# on 8M's, 0.99x on 110M's; tokens/s after the first 1.12x, 1.22x and 1.00x.
 HELPER_MIN_WEIGHTS = 1 << 16
 # A product of at least this many multiply-adds (rows x weights) through float weights: OpenBLAS
 # on all cores. One row, measured (2 December 2026, cold matrices, per call): 2304 x 768 123 us on
