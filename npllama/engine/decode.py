@@ -109,19 +109,16 @@ class DecodeStep:
         dtype = cos.dtype
         B, D, H, KVH, Dh = batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim
         R, F = H // KVH, config.hidden_dim
-        self.helper = helper = HelperProcess() if uses_helper_process(B) else None
-        self.acts = acts = Activations(config, B, dtype, empty=helper.empty if helper else np.empty)
-        layout = _checked_layout(layout) or choose_layout(params)
-        if layout == "stacked":
-            self.projections = StackedProjections(params, config, acts, helper or halves, steps)
-        else:
-            self.projections = InPlaceProjections(params, config, acts, helper or halves)
-        self.layout = layout
-        if helper is not None:
-            if helper.jobs:
-                helper.start()          # forked last: it holds the copies and the products' halves
-            else:
-                self.helper = None      # no product large enough to share
+        self.layout = layout = _checked_layout(layout) or choose_layout(params)
+        helper = HelperProcess() if uses_helper_process(B) else None
+        try:
+            self._make_projections(params, config, B, dtype, helper, halves, steps)
+        except OSError:                 # no fork, no shared memory (a process limit, no memory): one process
+            if helper is None:
+                raise
+            helper.close()
+            self._make_projections(params, config, B, dtype, None, halves, steps)
+        acts = self.acts
         # The step's BLAS thread count, set for each step and restored after it; none set beside a
         # helper process, whose products' blocks are all too small for OpenBLAS's threads
         # (projections.helper_cuts): after the fork, setting it would start OpenBLAS's pool anew.
@@ -149,6 +146,21 @@ class DecodeStep:
             self._normalize = self._normalize_row
         else:
             self.sum_squares = np.empty((B, 1), dtype)
+
+    def _make_projections(self, params, config, B, dtype, helper, halves, steps):
+        """self.acts and self.projections, sharing the large products with helper (forked here, after
+        everything it needs is made; dropped when no product is large enough) or with halves."""
+        self.helper = helper
+        self.acts = acts = Activations(config, B, dtype, empty=helper.empty if helper else np.empty)
+        if self.layout == "stacked":
+            self.projections = StackedProjections(params, config, acts, helper or halves, steps)
+        else:
+            self.projections = InPlaceProjections(params, config, acts, helper or halves)
+        if helper is not None:
+            if helper.jobs:
+                helper.start()
+            else:
+                self.helper = None
 
     def close(self) -> None:
         """End the helper process, if the step has one (a step unclosed ends it when collected)."""

@@ -322,8 +322,10 @@ class Product:
     """out = x @ W.T for fixed buffers x (B, in) and out (B, n), W = [ws[0]; ws[1]; ...] (n, in)
     stacked by rows, each held (rows, in) in any float dtype; or out = x @ ws[0] with rows_first
     (one matrix stored (in, n') in x's dtype, n' >= n: columns past out's n are zero padding,
-    gemv_padding). pre and post are calls made before and after (a norm's gain on x, a scale on
-    out). Calling it computes out."""
+    gemv_padding; or, with a HelperProcess, W's blocks of columns side by side, stacked_copy's cuts).
+    halves: a RowHalves thread or, for one row, a HelperProcess, which computes the second half of W.
+    pre and post are calls made before and after (a norm's gain on x, a scale on out). Calling it
+    computes out."""
 
     def __init__(self, ws, x, out, halves: RowHalves | HelperProcess | None = None, pre=(), post=(),
                  rows_first=False, buffers=(None, None)):

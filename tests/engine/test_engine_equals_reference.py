@@ -344,6 +344,32 @@ def test_a_one_row_step_shares_its_large_products_with_a_helper_process(monkeypa
     assert len(started) == 2 and helper_ended(started[1])
 
 
+@pytest.mark.skipif(not engine_helper.available(), reason="a helper process needs Linux on x86-64")
+@pytest.mark.parametrize("layout", ["stacked", "in_place"])
+def test_a_step_whose_fork_is_refused_runs_in_one_process(monkeypatch, layout):
+    """A fork refused (a process limit, no memory): the step is made again without a helper process
+    and still equals the reference."""
+    cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=13, hidden_dim=20,
+                              max_seq_len=6)
+    model = random_model(cfg, 6)
+    monkeypatch.setattr(projections, "available_cores", lambda: 2)
+    monkeypatch.setattr(projections, "get_blas_threads", lambda: 2)
+    monkeypatch.setattr(projections, "HELPER_MIN_WEIGHTS", 0)
+
+    def refused():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(os, "fork", refused)
+    step = DecodeStep(model.params, cfg, model.rope, 1, layout=layout)
+    assert step.helper is None
+    assert not any(isinstance(p, projections.Product) and p.halves is not None
+                   for layer in step.projections.layers for p in layer)
+    seq = np.random.default_rng(6).integers(0, cfg.vocab_size, cfg.max_seq_len)
+    kv = model.new_kv_cache(1)
+    for pos in range(cfg.max_seq_len):
+        logits = step(seq[None, pos], pos, kv)
+        assert rel_error(logits, reference.forward(model.params, cfg, seq[None, :pos + 1])[0][:, -1]) < TOL, pos
+
+
 def helper_ended(pid: int) -> bool:
     try:
         os.kill(pid, 0)
