@@ -123,6 +123,8 @@ class HelperProcess:
 
     def run(self, job: int, ours: list) -> None:
         """Run the registered job on the helper and every call of `ours` here; return when both are done."""
+        if self.pid is None:
+            raise NpllamaError("the decoder's helper process is not running (never started, closed, or ended)")
         words = self._words
         self._seq = seq = self._seq + 1
         words[JOB] = job
@@ -142,7 +144,10 @@ class HelperProcess:
             raise NpllamaError("the decoder's helper process failed in one of its products; its error went to stderr")
 
     def _check_alive(self) -> None:
-        pid, _ = os.waitpid(self.pid, os.WNOHANG)
+        try:
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:       # reaped by someone else's wait
+            pid = self.pid
         if pid:
             self.pid = None
             self._finalizer.detach()

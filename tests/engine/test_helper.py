@@ -113,6 +113,8 @@ def test_a_helper_killed_from_outside_raises_instead_of_hanging():
     with pytest.raises(NpllamaError, match="ended in the middle of a step"):
         h.run(job, ours)
     assert time.monotonic() - start < 5.0
+    with pytest.raises(NpllamaError, match="not running"):          # and after it, at once
+        h.run(job, ours)
     h.close()
 
 
@@ -143,8 +145,10 @@ def test_the_helper_ends_when_its_parent_dies_without_closing_it():
     assert wait_until_ended(int(out.stdout)), "the orphaned helper still runs"
 
 
-def test_a_helper_never_started_closes_quietly():
+def test_a_helper_never_started_closes_quietly_and_runs_nothing():
     h = HelperProcess()
-    h.register([])
+    job = h.register([])
+    with pytest.raises(NpllamaError, match="not running"):
+        h.run(job, [])
     h.close()
     assert h.pid is None
