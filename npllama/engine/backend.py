@@ -88,7 +88,7 @@ class EngineBackend:
         if copies_classifier(classifier.size, batch_size, steps):
             stacks.append([classifier])
         itemsize = np.dtype(dtype).itemsize
-        padding = not uses_helper_process(batch_size)       # a helper process's halves are never padded
+        padding = not uses_helper_process(params, batch_size, steps or 0)     # a helper's blocks are never padded
         total = 0
         for stack in stacks:
             rows, n_in = sum(a.shape[0] for a in stack), stack[0].shape[1]

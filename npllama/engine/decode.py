@@ -43,7 +43,7 @@ from .cache import DecodeCache
 from .fused import row_dot
 from .passes import forward
 from .helper import HelperProcess, available as helper_available
-from .projections import Activations, InPlaceProjections, RowHalves, StackedProjections, product_threads
+from .projections import Activations, InPlaceProjections, RowHalves, StackedProjections, helper_weights, product_threads
 from .upcast import has_half
 from ..errors import NpllamaError
 
@@ -110,7 +110,7 @@ class DecodeStep:
         B, D, H, KVH, Dh = batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim
         R, F = H // KVH, config.hidden_dim
         self.layout = layout = _checked_layout(layout) or choose_layout(params)
-        helper = HelperProcess() if uses_helper_process(B) else None
+        helper = HelperProcess() if uses_helper_process(params, B, steps or config.max_seq_len) else None
         try:
             self._make_projections(params, config, B, dtype, helper, halves, steps)
         except OSError:                 # no fork, no shared memory (a process limit, no memory): one process
@@ -250,12 +250,23 @@ class DecodeStep:
         np.divide(x, norm, self.xn_row)
 
 
-def uses_helper_process(batch_size: int) -> bool:
-    """Whether a step of batch_size rows shares its large products with a helper process
-    (engine/helper.py): one row, where the platform allows one (helper.available) and the process
-    two BLAS threads on two cores (projections.product_threads), whose place it then takes: its
-    OpenBLAS calls run on one thread each side."""
-    return batch_size == 1 and helper_available() and product_threads() >= 2
+# A step forks a helper process only where it pays for the fork: 6-9 ms to fork and 7-9 to end it
+# (15M's process, measured 6 December 2026, AMD EPYC), against a step 0.29 ms faster on 8M's shape
+# (7.2M weights shared a step) and on 15M's (15.3M, its classifier already on OpenBLAS's threads
+# before): about 50 steps to break even on either. So a generation's steps times the weights
+# its step shares (projections.helper_weights) must reach this.
+HELPER_MIN_WEIGHT_STEPS = 5 * 10 ** 8
+
+
+def uses_helper_process(params: dict, batch_size: int, steps: int) -> bool:
+    """Whether a step of batch_size rows, made for `steps` steps, shares its large products with a
+    helper process (engine/helper.py): one row, a generation long enough to pay for the fork
+    (HELPER_MIN_WEIGHT_STEPS), where the platform allows one (helper.available) and the process
+    two BLAS threads on two cores (projections.product_threads), whose place it then takes."""
+    if batch_size != 1 or not helper_available() or product_threads() < 2:
+        return False
+    shared = helper_weights(params)
+    return shared > 0 and steps * shared >= HELPER_MIN_WEIGHT_STEPS
 
 
 def _checked_layout(layout: str | None) -> str | None:

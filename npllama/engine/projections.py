@@ -39,8 +39,8 @@ at least SPLIT_MIN_WEIGHTS weights cuts W's rows in two halves, the second run b
 helper thread (RowHalves), which sleeps between jobs, while the caller runs the first. Each half
 is its own NumPy calls, so the dot products and their sums are the same whichever thread runs them.
 
-Two processes. A one-row step on two cores and two BLAS threads, where the platform has them
-(decode.uses_helper_process), forks a helper process (engine/helper.py) in their place: every
+Two processes. A one-row step on two cores and two BLAS threads, where the platform has them and
+the generation is long enough to pay for it (decode.uses_helper_process), forks a helper process (engine/helper.py) in their place: every
 Product of HELPER_MIN_WEIGHTS weights or more gives it the second half of W (a stacked copy's
 columns, made as contiguous copies; or W's rows, in place) while the caller computes the first, each
 half in blocks too small for OpenBLAS to thread (helper_cuts), x and out in memory the two share
@@ -79,10 +79,10 @@ from functools import partial
 import numpy as np
 
 from ..config import LlamaConfig
-from ..model import layer_weights, output_weight_name
+from ..model import layer_param_names, layer_weights, output_weight_name
 from .settings import blas_core, blas_threads, get_blas_threads
 from .shards import available_cores
-from .stacked import ScaledRows, folded_layer, norm_gain
+from .stacked import ScaledRows, folded_layer, norm_gain, stack_members
 from .helper import HelperProcess
 from .upcast import upcast_into
 from ..errors import NpllamaError
@@ -280,6 +280,19 @@ def copies_classifier(n_weights: int, batch_size: int, steps: int | None) -> boo
     if n_weights < CORES_MIN_WEIGHTS:
         return True
     return batch_size <= ROW_BY_ROW and steps is not None and steps >= CLASSIFIER_COPY_MIN_STEPS
+
+
+def helper_weights(params: dict) -> int:
+    """The weights a one-row step shares with a helper process: those of its products of
+    HELPER_MIN_WEIGHTS or more (each block's stacks, engine.stacked.stack_members; the classifier)."""
+    shared, i = 0, 0
+    while layer_param_names(i).wq in params:
+        for stack in stack_members(layer_weights(params, i)).values():
+            size = sum(a.size for a in stack)
+            shared += size if size >= HELPER_MIN_WEIGHTS else 0
+        i += 1
+    classifier = params.get("output.weight", params["tok_embeddings.weight"])
+    return shared + (classifier.size if classifier.size >= HELPER_MIN_WEIGHTS else 0)
 
 
 def helper_cuts(n: int, n_in: int) -> list[int]:

@@ -207,7 +207,8 @@ def _decode_equals_the_reference(cfg, B, P, layout, seed, steps=None):
 def helper_process(on: bool):
     """One-row steps with a helper process splitting every product (on; only where the platform has
     them), or none."""
-    with mock.patch.object(decode, "uses_helper_process", lambda B: on and B == 1 and engine_helper.available()), \
+    with mock.patch.object(decode, "uses_helper_process",
+                           lambda params, B, steps: on and B == 1 and engine_helper.available()), \
             mock.patch.object(projections, "HELPER_MIN_WEIGHTS", 0 if on else projections.HELPER_MIN_WEIGHTS):
         yield
 
@@ -261,8 +262,8 @@ def test_a_copy_just_short_of_openblas_threads_is_padded_with_zeros_and_read_on_
     cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=13, hidden_dim=20,
                               max_seq_len=10)
     model = random_model(cfg, 3)
-    monkeypatch.setattr(decode, "uses_helper_process", lambda B: False)
-    monkeypatch.setattr(engine_backend, "uses_helper_process", lambda B: False)      # decoder_copy_bytes' too
+    monkeypatch.setattr(decode, "uses_helper_process", lambda params, B, steps: False)
+    monkeypatch.setattr(engine_backend, "uses_helper_process", lambda params, B, steps: False)   # decoder_copy_bytes
     monkeypatch.setattr(projections, "available_cores", lambda: 2)
     monkeypatch.setattr(projections, "GEMV_THREADS_MIN_WEIGHTS", 8 * 43)     # [-w1; w3]: 40 columns -> 43
     seq = np.random.default_rng(3).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
@@ -307,6 +308,7 @@ def test_a_one_row_step_shares_its_large_products_with_a_helper_process(monkeypa
     monkeypatch.setattr(projections, "available_cores", lambda: 2)
     monkeypatch.setattr(projections, "get_blas_threads", lambda: 2)
     monkeypatch.setattr(projections, "HELPER_MIN_WEIGHTS", 8 * 20)      # [-w1; w3] and w2 only
+    monkeypatch.setattr(decode, "HELPER_MIN_WEIGHT_STEPS", 0)           # however short the generation
     started = []
     start = engine_helper.HelperProcess.start
     monkeypatch.setattr(engine_helper.HelperProcess, "start", lambda self: (start(self), started.append(self.pid)))
@@ -355,6 +357,7 @@ def test_a_step_whose_fork_is_refused_runs_in_one_process(monkeypatch, layout):
     monkeypatch.setattr(projections, "available_cores", lambda: 2)
     monkeypatch.setattr(projections, "get_blas_threads", lambda: 2)
     monkeypatch.setattr(projections, "HELPER_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(decode, "HELPER_MIN_WEIGHT_STEPS", 0)
 
     def refused():
         raise BlockingIOError(11, "Resource temporarily unavailable")
@@ -368,6 +371,28 @@ def test_a_step_whose_fork_is_refused_runs_in_one_process(monkeypatch, layout):
     for pos in range(cfg.max_seq_len):
         logits = step(seq[None, pos], pos, kv)
         assert rel_error(logits, reference.forward(model.params, cfg, seq[None, :pos + 1])[0][:, -1]) < TOL, pos
+
+
+@pytest.mark.skipif(not engine_helper.available(), reason="a helper process needs Linux on x86-64")
+def test_a_helper_process_is_forked_only_for_a_generation_long_enough_to_pay_for_it(monkeypatch):
+    """uses_helper_process: one row, two BLAS threads on two cores, and the steps times the weights a
+    step shares (products of HELPER_MIN_WEIGHTS or more) at least HELPER_MIN_WEIGHT_STEPS."""
+    cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=13, hidden_dim=20,
+                              max_seq_len=6)
+    params = random_model(cfg, 7).params
+    monkeypatch.setattr(projections, "available_cores", lambda: 2)
+    monkeypatch.setattr(projections, "get_blas_threads", lambda: 2)
+    monkeypatch.setattr(projections, "HELPER_MIN_WEIGHTS", 8 * 20)      # [-w1; w3] (320) and w2 (160)
+    shared = projections.helper_weights(params)
+    assert shared == cfg.n_layers * (320 + 160)
+    monkeypatch.setattr(decode, "HELPER_MIN_WEIGHT_STEPS", 10 * shared)
+    assert decode.uses_helper_process(params, 1, 10) and not decode.uses_helper_process(params, 1, 9)
+    assert not decode.uses_helper_process(params, 2, 100)                   # one row only
+    monkeypatch.setattr(projections, "get_blas_threads", lambda: 1)
+    assert not decode.uses_helper_process(params, 1, 100)                   # blas_threads(1): none
+    monkeypatch.setattr(projections, "get_blas_threads", lambda: 2)
+    monkeypatch.setattr(projections, "HELPER_MIN_WEIGHTS", 10 ** 6)         # no product large enough
+    assert projections.helper_weights(params) == 0 and not decode.uses_helper_process(params, 1, 10 ** 9)
 
 
 def helper_ended(pid: int) -> bool:
