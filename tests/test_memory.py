@@ -6,6 +6,7 @@ come with a peak far below the size it refuses, rather than by wall-clock time o
 """
 
 import contextlib
+import gc
 import io
 import os
 import resource
@@ -40,9 +41,11 @@ GiB = 1 << 30
 
 def peak_of(fn):
     """(result or the exception raised, peak bytes traced while fn ran). The engine's once-per-process
-    malloc adaptation (an untouched 32 MB block) is made first, so a peak does not depend on which
-    test ran an engine pass before."""
+    malloc adaptation (an untouched 32 MB block) is made first, and the garbage earlier tests left
+    is collected first (its finalizers run outside the window), so a peak does not depend on which
+    tests ran before."""
     engine_settings.adapt_malloc_once()
+    gc.collect()
     tracemalloc.start()
     try:
         try:
