@@ -282,17 +282,21 @@ def copies_classifier(n_weights: int, batch_size: int, steps: int | None) -> boo
     return batch_size <= ROW_BY_ROW and steps is not None and steps >= CLASSIFIER_COPY_MIN_STEPS
 
 
+def shares_with_helper(n: int, n_in: int) -> bool:
+    """Whether a one-row product through W (n, n_in) gives half of its rows to a helper process."""
+    return n >= 2 and n * n_in >= HELPER_MIN_WEIGHTS
+
+
 def helper_weights(params: dict) -> int:
-    """The weights a one-row step shares with a helper process: those of its products of
-    HELPER_MIN_WEIGHTS or more (each block's stacks, engine.stacked.stack_members; the classifier)."""
-    shared, i = 0, 0
+    """The weights a one-row step shares with a helper process: those of its products that do
+    (shares_with_helper; each block's stacks, engine.stacked.stack_members, and the classifier)."""
+    i, shapes = 0, []
     while layer_param_names(i).wq in params:
-        for stack in stack_members(layer_weights(params, i)).values():
-            size = sum(a.size for a in stack)
-            shared += size if size >= HELPER_MIN_WEIGHTS else 0
+        shapes += [(sum(len(a) for a in stack), stack[0].shape[1])
+                   for stack in stack_members(layer_weights(params, i)).values()]
         i += 1
-    classifier = params.get("output.weight", params["tok_embeddings.weight"])
-    return shared + (classifier.size if classifier.size >= HELPER_MIN_WEIGHTS else 0)
+    shapes.append(params.get("output.weight", params["tok_embeddings.weight"]).shape)
+    return sum(n * n_in for n, n_in in shapes if shares_with_helper(n, n_in))
 
 
 def helper_cuts(n: int, n_in: int) -> list[int]:
@@ -318,15 +322,15 @@ def gemv_padded_rows(n: int, n_in: int) -> int:
     return padded if n < padded <= n * GEMV_PAD_MAX_GROWTH else n
 
 
-def gemv_padding(parts: list, rows_first: bool, process: bool = False) -> list:
+def gemv_padding(parts: list, rows_first: bool) -> list:
     """The zero rows to stack under parts (ScaledRows) so that a copy read a row at a time reaches
     GEMV_THREADS_MIN_WEIGHTS, where OpenBLAS runs it on every core (gemv_padded_rows): one
     ScaledRows of zeros when the copy is rows_first and the process has two cores' BLAS threads for
-    it, else none (nor where a helper process takes half of it instead: `process`). The zero columns of
-    x @ W are never read."""
+    it, else none. (A copy that large is shared with a helper process instead, where a step has one:
+    shares_with_helper.) The zero columns of x @ W are never read."""
     n, n_in = sum(p.w.shape[0] for p in parts), parts[0].w.shape[1]
     padded = gemv_padded_rows(n, n_in)
-    if not rows_first or process or product_threads() < 2 or padded == n:
+    if not rows_first or product_threads() < 2 or padded == n:
         return []
     return [ScaledRows(np.zeros((padded - n, n_in), parts[0].w.dtype), None)]
 
@@ -377,7 +381,7 @@ class Product:
             self.post.insert(0, partial(np.copyto, out, self.out_t.T))
         self.x, self.out = x, out
         rows = [(w, start) for w, start in zip(ws, np.cumsum([0] + [w.shape[0] for w in ws]))]
-        if process and n >= 2 and n * n_in >= HELPER_MIN_WEIGHTS:
+        if process and shares_with_helper(n, n_in):
             cuts = helper_cuts(n, n_in)         # row blocks, the second half the helper's
             half = len(cuts) // 2
             self.halves = halves
@@ -554,11 +558,11 @@ class StackedProjections:
         def product(parts, x, out):
             if len(parts) == 1 and parts[0].factor is None and not rows_first:
                 ws = [parts[0].w.astype(dtype, copy=False)]        # read in place: no copy to make
-            elif process and sum(p.w.size for p in parts) >= HELPER_MIN_WEIGHTS and sum(len(p.w) for p in parts) >= 2:
+            elif process and shares_with_helper(sum(len(p.w) for p in parts), parts[0].w.shape[1]):
                 n, n_in = sum(len(p.w) for p in parts), parts[0].w.shape[1]
                 ws = stacked_copy(parts, dtype, transposed=True, cuts=helper_cuts(n, n_in))
             else:
-                ws = [stacked_copy(parts + gemv_padding(parts, rows_first, process), dtype, transposed=rows_first)]
+                ws = [stacked_copy(parts + gemv_padding(parts, rows_first), dtype, transposed=rows_first)]
             return Product(ws, x, out, halves, rows_first=rows_first).call
 
         self.layers = []
