@@ -110,6 +110,7 @@ class DecodeStep:
         B, D, H, KVH, Dh = batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim
         R, F = H // KVH, config.hidden_dim
         self.layout = layout = _checked_layout(layout) or choose_layout(params)
+        self.closed = False
         helper = HelperProcess() if uses_helper_process(params, B, steps or config.max_seq_len) else None
         try:
             self._make_projections(params, config, B, dtype, helper, halves, steps)
@@ -117,6 +118,8 @@ class DecodeStep:
             if helper is None:
                 raise
             helper.close()
+            if getattr(self, "projections", None) is not None:     # made, then the fork refused: its memory again
+                self.projections.release()
             self._make_projections(params, config, B, dtype, None, halves, steps)
         acts = self.acts
         # The step's BLAS thread count, set for each step and restored after it; none set beside a
@@ -163,9 +166,14 @@ class DecodeStep:
                 self.helper = None
 
     def close(self) -> None:
-        """End the helper process, if the step has one (a step unclosed ends it when collected)."""
+        """End the helper process, if the step has one (a step unclosed ends it when collected), and
+        hand the memory of the step's copies on to the next step's (projections.Arena): a closed
+        step refuses to run."""
         if self.helper is not None:
             self.helper.close()
+        if not self.closed:
+            self.closed = True
+            self.projections.release()
 
     def __call__(self, ids: np.ndarray, pos: int, kv_cache: DecodeCache,
                  key_bias: np.ndarray | None = None) -> np.ndarray:
@@ -175,6 +183,8 @@ class DecodeStep:
         key_bias, when given, broadcasts to (B, KVH, R, pos + 1): 0 where a key may be attended,
         -inf where not.
         """
+        if self.closed:
+            raise NpllamaError("this DecodeStep was closed: its copies' memory is another step's now; make a new one")
         with self.blas:
             if not self.shift:
                 # exp(-a) -> inf gives silu 0, right; a row's exp overflowing (and then inf / inf) is caught below

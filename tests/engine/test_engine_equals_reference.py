@@ -373,6 +373,45 @@ def test_a_step_whose_fork_is_refused_runs_in_one_process(monkeypatch, layout):
         assert rel_error(logits, reference.forward(model.params, cfg, seq[None, :pos + 1])[0][:, -1]) < TOL, pos
 
 
+@pytest.mark.parametrize("B, helper", [(1, False), (1, True), (3, False)])
+def test_a_stacked_step_s_copies_lie_in_one_arena_the_next_step_reuses_once_it_is_closed(monkeypatch, B, helper):
+    """Every copy a stacked step reads (its own pieces' and a helper process's) lies in the step's one
+    projections.Arena; closed, the step refuses to run, and the next step's copies are made into the
+    same memory; its steps still equal the reference at every position."""
+    cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=13, hidden_dim=20,
+                              max_seq_len=6)
+    model = random_model(cfg, 8)
+    seq = np.random.default_rng(8).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
+    projections.release_spare_memory()
+    copies = []
+    stacked_copy = projections.stacked_copy
+
+    def recorded(*args, **kwargs):
+        copy = stacked_copy(*args, **kwargs)
+        copies.extend(copy if isinstance(copy, list) else [copy])
+        return copy
+    with helper_process(helper), mock.patch.object(projections, "stacked_copy", recorded):
+        first = DecodeStep(model.params, cfg, model.rope, B, layout="stacked")
+        assert (first.helper is not None) == (helper and engine_helper.available())
+        block = first.projections.arena.memory
+        first.close()
+        copies.clear()
+        step = DecodeStep(model.params, cfg, model.rope, B, layout="stacked")
+    assert first.projections.arena.memory is None and step.projections.arena.memory is block
+    assert len(copies) >= 2 * cfg.n_layers and all(np.shares_memory(c, block) for c in copies)
+    try:
+        kv = model.new_kv_cache(B)
+        for pos in range(cfg.max_seq_len):
+            logits = step(seq[:, pos], pos, kv)
+            assert rel_error(logits, reference.forward(model.params, cfg, seq[:, :pos + 1])[0][:, -1]) < TOL, pos
+    finally:
+        memory = step.projections.arena.memory
+        step.close()
+    with pytest.raises(npllama.NpllamaError, match="closed"):
+        step(seq[:, 0], 0, model.new_kv_cache(B))
+    assert DecodeStep(model.params, cfg, model.rope, B, layout="stacked").projections.arena.memory is memory
+
+
 @pytest.mark.skipif(not engine_helper.available(), reason="a helper process needs Linux on x86-64")
 def test_a_helper_process_is_forked_only_for_a_generation_long_enough_to_pay_for_it(monkeypatch):
     """uses_helper_process: one row, two BLAS threads on two cores, and the steps times the weights a

@@ -14,7 +14,8 @@ import npllama
 from npllama import model as reference
 from npllama.engine import attention, fused, passes, shards
 from npllama.engine.layout import FlatLayout
-from npllama.engine.projections import stacked_copy
+from npllama.engine import projections
+from npllama.engine.projections import Arena, stacked_copy
 from npllama.engine.stacked import ScaledRows, adjacent_rows
 from npllama.gradcheck import rel_error
 from npllama.ops import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
@@ -296,6 +297,39 @@ def test_a_stacked_copy_is_the_scaled_parts_stacked_bit_for_bit(parts, cols, hel
     copy = stacked_copy(scaled, dtype, transposed=transposed)
     assert copy.flags.c_contiguous and copy.dtype == dtype
     assert np.array_equal(copy, expected.T if transposed else expected)
+
+
+@settings(max_examples=30)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.sampled_from([np.float32, np.float64,
+                                                                                 np.float16])), min_size=1, max_size=6))
+def test_an_arena_carves_aligned_disjoint_arrays_and_hands_its_block_to_the_next_one(shapes):
+    """projections.Arena: each array C-contiguous at a multiple of ARENA_ALIGN bytes, none
+    overlapping another, all within one block sized by Arena.room; no room past it; a released
+    block is the next arena's that fits in it (the same memory, never a second allocation), not one
+    too large for it, and release_spare_memory frees it."""
+    projections.release_spare_memory()
+    arena = Arena(sum(Arena.room(shape[:2], shape[2]) for shape in shapes))
+    arrays = [arena.empty(shape[:2], shape[2]) for shape in shapes]
+    for a, (rows, cols, dtype) in zip(arrays, shapes):
+        assert a.shape == (rows, cols) and a.dtype == dtype and a.flags.c_contiguous
+        if a.size:                                          # (an empty array's address is NumPy's to pick)
+            assert a.__array_interface__["data"][0] % projections.ARENA_ALIGN == 0
+            assert np.shares_memory(a, arena.memory)
+        a[...] = 7
+    for i, a in enumerate(arrays):
+        for b in arrays[i + 1:]:
+            assert not np.shares_memory(a, b)
+    with pytest.raises(npllama.NpllamaError, match="no room"):
+        arena.empty((arena.memory.size - arena.used + 1,), np.uint8)
+    block = arena.memory
+    arena.release()
+    with pytest.raises(npllama.NpllamaError, match="no room"):            # released: carves nothing more
+        arena.empty((1,), np.uint8)
+    assert Arena(block.size - projections.ARENA_ALIGN).memory is block  # fits: the same block
+    Arena(1).release()
+    assert Arena(block.size).memory is not block                        # too large for the spare: a new one
+    Arena(3).release()
+    assert projections.release_spare_memory() >= 3 and projections.release_spare_memory() == 0
 
 
 @settings(max_examples=40)
