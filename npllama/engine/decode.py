@@ -144,9 +144,10 @@ class DecodeStep:
         self.att_rows = _view(acts.att, (B * H, Dh))
         self.minus_a, self.b = acts.ab[:, :F], acts.ab[:, F:]
         self.d_eps, self.one = D * config.norm_eps, np.array(1.0, dtype)
-        if B == 1:      # a row's norm in Python floats: 2 us, against 6 for the (B, 1) ufuncs' broadcasting
+        # a row's norm in Python floats: 2 us, against 6 for the (B, 1) ufuncs' broadcasting
+        self.one_row = B == 1
+        if B == 1:
             self.x_row, self.xn_row, self.norm = acts.x[0], acts.xn[0], np.empty((), dtype)
-            self._normalize = self._normalize_row
         else:
             self.sum_squares = np.empty((B, 1), dtype)
 
@@ -203,7 +204,10 @@ class DecodeStep:
         # attributes and globals, and called the attention as a method. With the tiled rotations
         # and the position-first writes, stories260K's step runs 3-5% faster for it, the same bits
         # (medians of per-round ratios 0.954-0.968, alternating in one process, AMD EPYC, 6 December 2026).
-        acts, norm, minus_a, b, one = self.acts, self._normalize, self.minus_a, self.b, self.one
+        # (the norm picked here, not stored on self: a bound method held by its own object would make a
+        # cycle, and an unclosed step would wait for the garbage collector to end its helper process)
+        norm = self._normalize_row if self.one_row else self._normalize
+        acts, minus_a, b, one = self.acts, self.minus_a, self.b, self.one
         x, res, g = acts.x, acts.res, acts.g
         qk, q, k, v, att_rows, shift = self.qk, self.q, self.k, self.v, self.att_rows, self.shift
         multiply, matmul, exp, add, subtract, divide = np.multiply, np.matmul, np.exp, np.add, np.subtract, np.divide

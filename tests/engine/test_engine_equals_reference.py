@@ -11,6 +11,7 @@ bfloat16, all within 1e-10 relative of the reference. tests/test_backends.py run
 """
 
 import contextlib
+import gc
 import os
 import threading
 import time
@@ -432,6 +433,25 @@ def test_a_helper_process_is_forked_only_for_a_generation_long_enough_to_pay_for
     monkeypatch.setattr(projections, "get_blas_threads", lambda: 2)
     monkeypatch.setattr(projections, "HELPER_MIN_WEIGHTS", 10 ** 6)         # no product large enough
     assert projections.helper_weights(params) == 0 and not decode.uses_helper_process(params, 1, 10 ** 9)
+
+
+@pytest.mark.skipif(not engine_helper.available(), reason="a helper process needs Linux on x86-64")
+def test_a_step_dropped_unclosed_ends_its_helper_process_at_once():
+    """A DecodeStep holds no reference cycle: dropped without close(), it goes at once, and its
+    helper process with it, with the garbage collector off."""
+    cfg = npllama.LlamaConfig(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=13, hidden_dim=20,
+                              max_seq_len=6)
+    model = random_model(cfg, 9)
+    with helper_process(True):
+        step = DecodeStep(model.params, cfg, model.rope, 1, layout="stacked")
+    step(np.array([1]), 0, model.new_kv_cache(1))
+    pid = step.helper.pid
+    gc.disable()
+    try:
+        del step
+        assert helper_ended(pid)
+    finally:
+        gc.enable()
 
 
 def helper_ended(pid: int) -> bool:
