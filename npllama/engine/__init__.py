@@ -24,13 +24,16 @@ configs). A reader can ignore it entirely. Its parts, each one implementation:
 It is built from the reference's own tables (parameter names and layer order from
 npllama.model, RoPE tables from npllama.ops.rope), and every process-wide setting it changes
 is scoped (settings.py). Threads: the shard pool's threads are joined at interpreter exit;
-a decoder's helper thread ends with the decoder.
+a decoder's helper thread, and its helper process (helper.py), end with the decoder. Memory: a
+closed decode step's copies of the weights leave their block to the next step's
+(projections.Arena); release_spare_memory() frees it.
 """
 
 from .adamw import FusedAdamW
 from .backend import EngineBackend
 from .cache import DecodeCache
+from .projections import release_spare_memory
 from .settings import blas_threads, freed_memory_kept
 from .shards import pass_footprint
 
-__all__ = ["blas_threads", "DecodeCache", "EngineBackend", "freed_memory_kept", "FusedAdamW", "pass_footprint"]
+__all__ = ["blas_threads", "DecodeCache", "EngineBackend", "freed_memory_kept", "FusedAdamW", "pass_footprint", "release_spare_memory"]
