@@ -36,4 +36,5 @@ from .projections import release_spare_memory
 from .settings import blas_threads, freed_memory_kept
 from .shards import pass_footprint
 
-__all__ = ["blas_threads", "DecodeCache", "EngineBackend", "freed_memory_kept", "FusedAdamW", "pass_footprint", "release_spare_memory"]
+__all__ = ["blas_threads", "DecodeCache", "EngineBackend", "freed_memory_kept", "FusedAdamW", "pass_footprint",
+           "release_spare_memory"]

@@ -521,7 +521,7 @@ class Arena:
     The block of a released arena (release(), when its step is closed) is kept for the next Arena
     that fits in it (one block, for the whole process): fresh memory costs page faults, and on the
     VM this was measured on 2 MB pages the host has not backed cost ~3 ms each to touch (61 MB in
-    150-190 ms, against 6-9 ms for memory the process touched before). So after a generation of a
+    150-240 ms, against 6-9 ms for memory the process touched before). So after a generation of a
     stacked model the process holds its copies' memory (15M: 61 MB) until the next generation
     reuses it, or until release_spare_memory()."""
 
