@@ -621,7 +621,8 @@ class StackedProjections:
         process = isinstance(halves, HelperProcess)
 
         def copy_of(parts):
-            """(parts, cuts) for stacked_copy, or None where the parameter is read in place."""
+            """How a product holds parts: (the rows stacked_copy copies, any padding included; the helper
+            process's cuts, or None), or None where the parameter is read in place."""
             n, n_in = sum(len(p.w) for p in parts), parts[0].w.shape[1]
             if len(parts) == 1 and parts[0].factor is None and not rows_first:
                 return None
@@ -634,17 +635,14 @@ class StackedProjections:
         classifier = params[output_weight_name(config)]
         final_gain = norm_gain(params["norm.weight"])
         copied_classifier = copies_classifier(classifier.size, B, steps)
-        if copied_classifier:
-            layers_and_logits = layers + [([ScaledRows(classifier, final_gain.astype(classifier.dtype))],)]
-        else:
-            layers_and_logits = layers
-        copies = {id(parts): copy_of(parts) for products in layers_and_logits for parts in products}
-        arena = Arena(sum(Arena.room((b - a, held[0].w.shape[1]), dtype)
-                          for held, cuts in filter(None, copies.values())
+        folded_classifier = [ScaledRows(classifier, final_gain.astype(classifier.dtype))]
+        layer_copies = [[copy_of(parts) for parts in products] for products in layers]
+        classifier_copy = copy_of(folded_classifier) if copied_classifier else None
+        planned = [copy for copies in layer_copies for copy in copies] + [classifier_copy]
+        arena = Arena(sum(Arena.room((b - a, held[0].w.shape[1]), dtype) for held, cuts in filter(None, planned)
                           for a, b in pairwise(cuts or [0, sum(len(p.w) for p in held)])))
 
-        def product(parts, x, out):
-            copy = copies[id(parts)]
+        def product(parts, copy, x, out):
             if copy is None:
                 ws = [parts[0].w.astype(dtype, copy=False)]        # read in place: no copy to make
             else:
@@ -655,9 +653,10 @@ class StackedProjections:
             return Product(ws, x, out, halves, rows_first=rows_first).call
 
         self.layers = []
-        for qkv, o, gate_up, down in layers:
-            self.layers.append((product(qkv, acts.xn, acts.qkv), product(o, acts.att, acts.res),
-                                product(gate_up, acts.xn, acts.ab), product(down, acts.g, acts.res)))
+        for (qkv, o, gate_up, down), (qkv_copy, o_copy, gate_up_copy, down_copy) in zip(layers, layer_copies):
+            self.layers.append((product(qkv, qkv_copy, acts.xn, acts.qkv), product(o, o_copy, acts.att, acts.res),
+                                product(gate_up, gate_up_copy, acts.xn, acts.ab),
+                                product(down, down_copy, acts.g, acts.res)))
         # A large classifier (CORES_MIN_WEIGHTS and more) is read in place, its norm's gain applied
         # to xn (a row of D numbers) instead, unless a long generation pays for its copy
         # (copies_classifier, CLASSIFIER_COPY_MIN_STEPS): the copy costs 15M 15-20 ms and 37 MB a
@@ -668,7 +667,7 @@ class StackedProjections:
             self.logits = Product([classifier.astype(dtype, copy=False)], acts.xn, acts.logits, halves,
                                   pre=[partial(np.multiply, acts.xn, final_gain.astype(dtype), out=acts.xn)]).call
         else:
-            self.logits = product(layers_and_logits[-1][0], acts.xn, acts.logits)
+            self.logits = product(folded_classifier, classifier_copy, acts.xn, acts.logits)
         self.embedding = params["tok_embeddings.weight"].astype(dtype, copy=False)
         self.arena = arena
 
