@@ -40,8 +40,8 @@ helper thread (RowHalves), which sleeps between jobs, while the caller runs the 
 is its own NumPy calls, so the dot products and their sums are the same whichever thread runs them.
 
 Two processes. A one-row step on two cores and two BLAS threads, where the platform has them and
-the generation is long enough to pay for it (decode.uses_helper_process), forks a helper process (engine/helper.py) in their place: every
-Product of HELPER_MIN_WEIGHTS weights or more gives it the second half of W (a stacked copy's
+the generation is long enough to pay for it (decode.uses_helper_process), forks a helper process
+(engine/helper.py) in their place: every Product of HELPER_MIN_WEIGHTS weights or more gives it the second half of W (a stacked copy's
 columns, made as contiguous copies; or W's rows, in place) while the caller computes the first, each
 half in blocks too small for OpenBLAS to thread (helper_cuts), x and out in memory the two share
 (Activations' empty). Its hand-off costs ~2 us where a thread's costs ~75: products of 83,000 to
@@ -647,8 +647,7 @@ class StackedProjections:
                 ws = [parts[0].w.astype(dtype, copy=False)]        # read in place: no copy to make
             else:
                 held, cuts = copy
-                ws = stacked_copy(held, dtype, transposed=rows_first or cuts is not None, cuts=cuts,
-                                  empty=arena.empty)
+                ws = stacked_copy(held, dtype, transposed=rows_first, cuts=cuts, empty=arena.empty)   # cuts: one row
                 ws = ws if cuts is not None else [ws]
             return Product(ws, x, out, halves, rows_first=rows_first).call
 
