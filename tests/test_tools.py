@@ -1,6 +1,7 @@
 """tools/bench_versions.py: runs two checkouts interleaved and reports their ratio; refuses a folder
 that is not a checkout. tools/bench_decode.py: the FLOPs its prefill roofline counts. (The tools'
-figures are measurements, never asserted.)"""
+figures are measurements, never asserted.) tools/benchkit.py: the FLOPs a training step's roofline
+and its GEMM floor count."""
 
 import re
 import subprocess
@@ -50,3 +51,30 @@ def test_bench_decode_counts_a_prefill_s_flops_matmul_by_matmul():
             expected += H * (2 * Dh * (t + 1) + 2 * Dh * (t + 1))          # q k^T over keys 0..t, then P v
     expected += 2 * D * V                                                  # the last position's logits
     assert prefill_flops(cfg, T) == expected
+
+
+def test_the_training_gemm_floor_runs_exactly_the_linear_layers_matmuls_of_a_step():
+    """benchkit.linear_gemm_floor: per weight (n, m), forward x W^T and backward's dy W and dy^T x
+    over each worker's rows; together 3x the linear layers' forward FLOPs, which linear_flops counts
+    weight by weight. Fused as the engine fuses them: q|k|v and w1|w3, one matrix each."""
+    sys.path.insert(0, str(ROOT))
+    from tools.benchkit import linear_flops, linear_gemm_floor
+    import npllama
+    cfg = npllama.LlamaConfig(dim=48, n_layers=3, n_heads=6, n_kv_heads=2, vocab_size=70, max_seq_len=32)
+    D, Dh, H, KVH, F, V = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, cfg.vocab_size
+    B, T = 3, 10
+    weights = {"wq": D * H * Dh, "wk": D * KVH * Dh, "wv": D * KVH * Dh, "wo": H * Dh * D,
+               "w1": D * F, "w3": D * F, "w2": F * D}
+    assert linear_flops(cfg, B * T) == 2 * B * T * (cfg.n_layers * sum(weights.values()) + D * V)
+    for workers in (1, 2, 3):
+        step = linear_gemm_floor(cfg, B, T, workers)
+        step()
+        assert len(step.operands) == workers
+        rows = [x.shape[0] for ops in step.operands for x, _, _ in ops]
+        assert set(rows) == {B * T // workers}
+        per_worker_flops = [sum(3 * 2 * x.shape[0] * w.shape[0] * w.shape[1] for x, w, dy in ops
+                                if x.shape == (x.shape[0], w.shape[1]) and dy.shape == (x.shape[0], w.shape[0]))
+                            for ops in step.operands]
+        assert sum(per_worker_flops) == 3 * linear_flops(cfg, B * T)
+        assert [w.shape for _, w, _ in step.operands[0]] == (
+            [((H + 2 * KVH) * Dh, D), (D, H * Dh), (2 * F, D), (D, F)] * cfg.n_layers + [(V, D)])

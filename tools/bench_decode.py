@@ -357,6 +357,12 @@ def print_decode_table(rows, bandwidth):
               "its weights' pages fault in): " + ", ".join(
                   f"{row.label} {row.median('npllama after first step') / row.best('run.c')[0]:.2f}x"
                   for row in rows if row.best("run.c")[0] and row.median("npllama after first step")))
+    if any(row.best("run.c")[0] for row in rows):
+        print(f"run.c's own roofline (its tokens/s x the same weight bytes per step, against {best_bw:.1f} GB/s), and "
+              "the most npllama's steps could reach against it, at the roofline: " + ", ".join(
+                  f"{row.label} {gbs / best_bw:.0%} ({best_bw / gbs:.2f}x)"
+                  for row in rows if row.best("run.c")[0]
+                  for gbs in [weight_bytes_per_step(row.model) * row.best("run.c")[0] / 1e9]))
     if any(row.median("run.c 2T") for row in rows):
         print("run.c with OpenMP on 2 threads, as llama2.c builds it: " + ", ".join(
             f"{row.label} {row.median('run.c 2T'):,.0f} "

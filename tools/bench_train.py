@@ -42,8 +42,23 @@ the imports and a warm-up on a tiny model (which pages the libraries' code in). 
 peak while the optimizer is built and two steps run, minus the resident memory after the model
 was built (Linux: VmHWM, reset through /proc/self/clear_refs).
 
-Example output, per configuration (2-core x86_64, OpenBLAS, torch 2.13 CPU):
-EXAMPLE
+The floor (FLOOR, in the same rounds, its own worker process): the step's linear-layer matmuls
+alone, as benchkit.linear_gemm_floor runs them; PyTorch's step over it is the most any step built on
+NumPy's GEMM could reach against PyTorch in that run, and each npllama side's time above it is its
+attention, norms, SwiGLU, loss, clipping and optimizer (--no-floor leaves it out).
+
+Example output, one configuration (2-core AMD EPYC, OpenBLAS 0.3.31, torch 2.13 CPU, 5 rounds,
+`--configs c --no-memory --rounds 5`, 6 December 2026):
+
+    c: dim 288, 6 layers, 6/6 heads, vocab 4096, T 256, B 8 (8.34M params)   load average 0.54 0.66 1.13 -> 1.26 0.86 1.17
+      npllama              908.0 ms a step       2,256 tokens/s   roofline 103 GFLOP/s = 71% of the 2-thread GEMM peak, ...
+      npllama train        997.3 ms a step       2,054 tokens/s   roofline 94 GFLOP/s = 64% of the 2-thread GEMM peak, ...
+      torch 1 thread      1677.2 ms a step       1,221 tokens/s   roofline 56 GFLOP/s = 38% of the 2-thread GEMM peak, ...
+      torch 2 threads     1030.5 ms a step       1,987 tokens/s   roofline 91 GFLOP/s = 62% of the 2-thread GEMM peak, ...
+      speed   npllama / torch 1.13, npllama train / torch 1.03 (torch's best: torch 2 threads)
+      floor   the linear layers' matmuls alone (benchkit.linear_gemm_floor) 597.8 ms a step (147 GFLOP/s): any step on
+              NumPy's GEMM runs at most 1.72x torch; above it: npllama 310.1 ms, npllama train 399.5 ms
+
 Exit code 0 once it has measured (ratios are reported, not asserted); 2 without torch.
 """
 
@@ -63,10 +78,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # npllama and tool
 
 import npllama  # noqa: E402
 from npllama.engine import freed_memory_kept  # noqa: E402
+from npllama.engine.shards import resolve_workers  # noqa: E402
 from npllama.train.loop import train_step  # noqa: E402
 from tools.benchkit import (MB, PEER_THREADS, calls_per_turn, can_reset_peak_rss, gemm_peaks,  # noqa: E402
-                            load_averages, memory_status, reset_peak_rss, roofline, start_worker, take_turns,
-                            threads_label, torch_version, training_flops, worker_result)
+                            linear_flops, linear_gemm_floor, load_averages, memory_status, reset_peak_rss, roofline,
+                            start_worker, take_turns, threads_label, torch_version, training_flops,
+                            worker_result)
 
 # name -> (LlamaConfig fields, batch B, sequence T)
 CONFIGS = {
@@ -86,6 +103,7 @@ HYPER = dict(lr=1e-4, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
 NPLLAMA_SIDES = ("npllama", "npllama train")
 KEPT_LOOP = "npllama kept"
+FLOOR = "GEMM floor"
 
 
 def batch(cfg, B, T, seed=0):
@@ -160,27 +178,31 @@ class StepWorker:
 def step_worker(side, name, quick):
     """Runs in its own process: one step of the side per line read (`npllama train`'s inside
     freed_memory_kept, as a run holds it; the library loop's as a user's script runs it, or inside
-    freed_memory_kept for the KEPT_LOOP side)."""
+    freed_memory_kept for the KEPT_LOOP side; for FLOOR, benchkit.linear_gemm_floor's matmuls on
+    as many threads as the engine's passes take)."""
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     train = side == "npllama train"
     with freed_memory_kept() if train or side == KEPT_LOOP else nullcontext():
-        step = (train_command_step if train else library_step)(npllama.Llama(cfg, seed=0), *batch(cfg, B, T))
+        if side == FLOOR:
+            step = linear_gemm_floor(cfg, B, T, resolve_workers(None, B, T, cfg.dim))
+        else:
+            step = (train_command_step if train else library_step)(npllama.Llama(cfg, seed=0), *batch(cfg, B, T))
         print("ready", flush=True)
         for _ in sys.stdin:
             step()
             print("done", flush=True)
 
 
-def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2, kept_loop=False):
+def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2, kept_loop=False, floor=True):
     """{setting: median seconds per step} over interleaved rounds (module docstring); kept_loop
-    adds the KEPT_LOOP side."""
+    adds the KEPT_LOOP side, floor the FLOOR (benchkit.linear_gemm_floor), in the same rounds."""
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     tokens, targets = batch(cfg, B, T)
     workers, per_turn = [], {}
     try:
-        for side in (*NPLLAMA_SIDES, *([KEPT_LOOP] if kept_loop else [])):
+        for side in (*NPLLAMA_SIDES, *([KEPT_LOOP] if kept_loop else []), *([FLOOR] if floor else [])):
             workers.append(StepWorker(side, name, quick))
         steps = {worker.side: worker for worker in workers}
         if use_torch:
@@ -253,6 +275,7 @@ def describe(cfg, B, T):
 def report(name, cfg, B, T, times, peaks, loads, use_torch):
     """The speed, roofline and ratio lines of one configuration."""
     tokens, flops = B * T, training_flops(cfg, B, T)
+    floor = times.pop(FLOOR, None)
     print(f"\n{name}: {describe(cfg, B, T)}   load average {loads[0]} -> {loads[1]}")
     for setting, seconds in times.items():
         print(f"  {setting:16s} {seconds * 1e3:9.1f} ms a step  {tokens / seconds:10,.0f} tokens/s   "
@@ -262,6 +285,12 @@ def report(name, cfg, B, T, times, peaks, loads, use_torch):
         print("  speed   " + ", ".join(f"{side} / torch {times[t_name] / times[side]:.2f}"
                                       for side in times if side.startswith("npllama"))
               + f" (torch's best: {t_name})", flush=True)
+    if floor is not None:
+        print(f"  floor   the linear layers' matmuls alone (benchkit.linear_gemm_floor) {floor * 1e3:,.1f} ms a step"
+              f" ({3 * linear_flops(cfg, tokens) / floor / 1e9:,.0f} GFLOP/s)"
+              + (f": any step on NumPy's GEMM runs at most {times[t_name] / floor:.2f}x torch" if use_torch else "")
+              + "; above it: " + ", ".join(f"{side} {(times[side] - floor) * 1e3:,.1f} ms"
+                                           for side in times if side.startswith("npllama")), flush=True)
 
 
 def report_memory(cfg, mem, use_torch):
@@ -291,6 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--turn", type=float, default=None, help="seconds per side per round (default 1.0, quick 0.2)")
     ap.add_argument("--no-memory", action="store_true", help="speed only")
     ap.add_argument("--no-torch", action="store_true", help="npllama only")
+    ap.add_argument("--no-floor", action="store_true", help="leave out the GEMM floor (module docstring)")
     ap.add_argument("--kept-loop", action="store_true",
                     help="also time the library loop inside engine.freed_memory_kept() (speed only)")
     ap.add_argument("--memory-probe", nargs=2, metavar=("SIDE", "CFG"), help=argparse.SUPPRESS)
@@ -315,7 +345,7 @@ def main(argv=None) -> int:
         cfg = npllama.LlamaConfig(**kw)
         load_before = load_averages()
         times = measure_speed(name, args.quick, rounds, turn, use_torch, warmup=1 if args.quick else 2,
-                              kept_loop=args.kept_loop)
+                              kept_loop=args.kept_loop, floor=not args.no_floor)
         report(name, cfg, B, T, times, peaks, (load_before, load_averages()), use_torch)
         if args.no_memory:
             continue

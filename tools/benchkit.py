@@ -147,6 +147,14 @@ def gemm_peaks() -> dict[int, float]:
     return {threads: gemm_peak(threads) for threads in (1, 2)}
 
 
+def linear_flops(cfg, tokens: int) -> float:
+    """The forward FLOPs of the linear layers (every block's projections and the classifier) over
+    `tokens` tokens: 2 per weight per token. Backward's are twice these."""
+    D, Dh, H, KVH, F, L, V = (cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim,
+                              cfg.n_layers, cfg.vocab_size)
+    return 2 * tokens * (L * (D * (H + 2 * KVH) * Dh + H * Dh * D + 3 * D * F) + D * V)
+
+
 def training_flops(cfg, batch_size: int, seq_len: int, weight_grads: bool = True) -> float:
     """The matmul FLOPs of one training step of the model (no recomputation counted, as MFU counts).
 
@@ -156,12 +164,49 @@ def training_flops(cfg, batch_size: int, seq_len: int, weight_grads: bool = True
     the inputs' gradients alone for the projections and classifier, the adapters' own FLOPs
     (a percent at rank 8) not counted.
     """
+    linear = linear_flops(cfg, batch_size * seq_len)
+    attention = batch_size * cfg.n_layers * cfg.n_heads * 4 * cfg.head_dim * seq_len * (seq_len + 1) / 2
+    return linear * (3 if weight_grads else 2) + attention * 3
+
+
+def linear_gemm_floor(cfg, batch_size: int, seq_len: int, workers: int, seed: int = 0):
+    """A closure that runs the matmuls of a training step's linear layers and nothing else: for every
+    weight W (n, m) the forward y = x W^T, and backward's dx = dy W and dW = dy^T x, with the
+    projections fused as the engine fuses them (q|k|v, w1|w3); the batch's rows split evenly among
+    `workers` threads, one BLAS thread each, as the engine's passes split them.
+
+    Every exact implementation of the step does these FLOPs (training_flops' linear part), so the
+    time the closure takes is a floor under any step built on NumPy's GEMM at these shapes: a side
+    can run at most (PyTorch's step) / (this) times PyTorch's speed. The attention's matmuls, the
+    norms, SwiGLU, the loss and the optimizer all come on top."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+    from npllama.engine.settings import blas_threads
     D, Dh, H, KVH, F, L, V = (cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim,
                               cfg.n_layers, cfg.vocab_size)
-    tokens = batch_size * seq_len
-    linear = 2 * tokens * (L * (D * (H + 2 * KVH) * Dh + H * Dh * D + 3 * D * F) + D * V)
-    attention = batch_size * L * H * 4 * Dh * seq_len * (seq_len + 1) / 2
-    return linear * (3 if weight_grads else 2) + attention * 3
+    shapes = [((H + 2 * KVH) * Dh, D), (D, H * Dh), (2 * F, D), (D, F)]       # (out, in) of each layer's
+    rows = -(-batch_size * seq_len // workers)
+    rng = np.random.default_rng(seed)
+
+    def operands(n, m):             # x (rows, m), W (n, m), dy (rows, n); the layers' weights differ
+        return [(rng.standard_normal((rows, m), dtype=np.float32), rng.standard_normal((n, m), dtype=np.float32),
+                 rng.standard_normal((rows, n), dtype=np.float32))]
+    per_worker = [[op for _ in range(L) for n, m in shapes for op in operands(n, m)] + operands(V, D)
+                  for _ in range(workers)]
+    pool = ThreadPoolExecutor(workers)
+
+    def worker(ops):
+        for x, w, dy in ops:
+            x @ w.T
+            dy @ w
+            dy.T @ x
+
+    def step():
+        with blas_threads(1):           # OpenBLAS's count is the process's: set here, for every worker
+            for done in [pool.submit(worker, ops) for ops in per_worker]:
+                done.result()
+    step.operands = per_worker          # [(x, W, dy) of each matrix] per worker
+    return step
 
 
 def roofline(flops_per_second: float, peaks: dict[int, float]) -> str:
