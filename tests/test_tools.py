@@ -72,9 +72,9 @@ def test_the_training_gemm_floor_runs_exactly_the_linear_layers_matmuls_of_a_ste
         assert len(step.operands) == workers
         rows = [x.shape[0] for ops in step.operands for x, _, _ in ops]
         assert set(rows) == {B * T // workers}
-        per_worker_flops = [sum(3 * 2 * x.shape[0] * w.shape[0] * w.shape[1] for x, w, dy in ops
-                                if x.shape == (x.shape[0], w.shape[1]) and dy.shape == (x.shape[0], w.shape[0]))
-                            for ops in step.operands]
-        assert sum(per_worker_flops) == 3 * linear_flops(cfg, B * T)
+        for x, w, dy in (op for ops in step.operands for op in ops):
+            assert x.shape[1] == w.shape[1] and dy.shape == (x.shape[0], w.shape[0])     # x W^T, dy W, dy^T x
+        flops = sum(3 * 2 * x.shape[0] * w.size for ops in step.operands for x, w, _ in ops)
+        assert flops == 3 * linear_flops(cfg, B * T)
         assert [w.shape for _, w, _ in step.operands[0]] == (
             [((H + 2 * KVH) * Dh, D), (D, H * Dh), (2 * F, D), (D, F)] * cfg.n_layers + [(V, D)])

@@ -43,9 +43,9 @@ peak while the optimizer is built and two steps run, minus the resident memory a
 was built (Linux: VmHWM, reset through /proc/self/clear_refs).
 
 The floor (FLOOR, in the same rounds, its own worker process): the step's linear-layer matmuls
-alone, as benchkit.linear_gemm_floor runs them; PyTorch's step over it is the most any step built on
-NumPy's GEMM could reach against PyTorch in that run, and each npllama side's time above it is its
-attention, norms, SwiGLU, loss, clipping and optimizer (--no-floor leaves it out).
+alone, run as the engine runs them (benchkit.linear_gemm_floor); PyTorch's step over it is the most
+a step whose matmuls run so could reach against PyTorch in that run, and each npllama side's time
+above it is its attention, norms, SwiGLU, loss, clipping and optimizer (--no-floor leaves it out).
 
 Example output, one configuration (2-core AMD EPYC, OpenBLAS 0.3.31, torch 2.13 CPU, 5 rounds,
 `--configs c --no-memory --rounds 5`, 6 December 2026):
@@ -56,8 +56,8 @@ Example output, one configuration (2-core AMD EPYC, OpenBLAS 0.3.31, torch 2.13 
       torch 1 thread      1677.2 ms a step       1,221 tokens/s   roofline 56 GFLOP/s = 38% of the 2-thread GEMM peak, ...
       torch 2 threads     1030.5 ms a step       1,987 tokens/s   roofline 91 GFLOP/s = 62% of the 2-thread GEMM peak, ...
       speed   npllama / torch 1.13, npllama train / torch 1.03 (torch's best: torch 2 threads)
-      floor   the linear layers' matmuls alone (benchkit.linear_gemm_floor) 597.8 ms a step (147 GFLOP/s): any step on
-              NumPy's GEMM runs at most 1.72x torch; above it: npllama 310.1 ms, npllama train 399.5 ms
+      floor   the linear layers' matmuls alone (benchkit.linear_gemm_floor) 597.8 ms a step (147 GFLOP/s): at most
+              1.72x torch over it; above it: npllama 310.1 ms, npllama train 399.5 ms
 
 Exit code 0 once it has measured (ratios are reported, not asserted); 2 without torch.
 """
@@ -288,7 +288,7 @@ def report(name, cfg, B, T, times, peaks, loads, use_torch):
     if floor is not None:
         print(f"  floor   the linear layers' matmuls alone (benchkit.linear_gemm_floor) {floor * 1e3:,.1f} ms a step"
               f" ({3 * linear_flops(cfg, tokens) / floor / 1e9:,.0f} GFLOP/s)"
-              + (f": any step on NumPy's GEMM runs at most {times[t_name] / floor:.2f}x torch" if use_torch else "")
+              + (f": at most {times[t_name] / floor:.2f}x torch over it" if use_torch else "")
               + "; above it: " + ", ".join(f"{side} {(times[side] - floor) * 1e3:,.1f} ms"
                                            for side in times if side.startswith("npllama")), flush=True)
 

@@ -176,9 +176,10 @@ def linear_gemm_floor(cfg, batch_size: int, seq_len: int, workers: int, seed: in
     `workers` threads, one BLAS thread each, as the engine's passes split them.
 
     Every exact implementation of the step does these FLOPs (training_flops' linear part), so the
-    time the closure takes is a floor under any step built on NumPy's GEMM at these shapes: a side
-    can run at most (PyTorch's step) / (this) times PyTorch's speed. The attention's matmuls, the
-    norms, SwiGLU, the loss and the optimizer all come on top."""
+    time the closure takes is a floor under a step that runs them on NumPy's GEMM the way the engine
+    does (its shards are these rows or fewer): such a step runs at most (PyTorch's step) / (this)
+    times PyTorch's speed. The attention's matmuls, the norms, SwiGLU, the loss and the optimizer
+    all come on top."""
     import numpy as np
     from concurrent.futures import ThreadPoolExecutor
     from npllama.engine.settings import blas_threads
