@@ -147,12 +147,17 @@ def gemm_peaks() -> dict[int, float]:
     return {threads: gemm_peak(threads) for threads in (1, 2)}
 
 
+def linear_weight_shapes(cfg) -> list[tuple[int, int]]:
+    """(out, in) of every weight matrix a token goes through, fused as the engine fuses them: each
+    block's q|k|v, wo, w1|w3 and w2, then the classifier."""
+    D, Dh, H, KVH, F = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim
+    return [((H + 2 * KVH) * Dh, D), (D, H * Dh), (2 * F, D), (D, F)] * cfg.n_layers + [(cfg.vocab_size, D)]
+
+
 def linear_flops(cfg, tokens: int) -> float:
     """The forward FLOPs of the linear layers (every block's projections and the classifier) over
     `tokens` tokens: 2 per weight per token. Backward's are twice these."""
-    D, Dh, H, KVH, F, L, V = (cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim,
-                              cfg.n_layers, cfg.vocab_size)
-    return 2 * tokens * (L * (D * (H + 2 * KVH) * Dh + H * Dh * D + 3 * D * F) + D * V)
+    return 2 * tokens * sum(n * m for n, m in linear_weight_shapes(cfg))
 
 
 def training_flops(cfg, batch_size: int, seq_len: int, weight_grads: bool = True) -> float:
@@ -183,17 +188,13 @@ def linear_gemm_floor(cfg, batch_size: int, seq_len: int, workers: int, seed: in
     import numpy as np
     from concurrent.futures import ThreadPoolExecutor
     from npllama.engine.settings import blas_threads
-    D, Dh, H, KVH, F, L, V = (cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim,
-                              cfg.n_layers, cfg.vocab_size)
-    shapes = [((H + 2 * KVH) * Dh, D), (D, H * Dh), (2 * F, D), (D, F)]       # (out, in) of each layer's
     rows = -(-batch_size * seq_len // workers)
     rng = np.random.default_rng(seed)
 
     def operands(n, m):             # x (rows, m), W (n, m), dy (rows, n); the layers' weights differ
-        return [(rng.standard_normal((rows, m), dtype=np.float32), rng.standard_normal((n, m), dtype=np.float32),
-                 rng.standard_normal((rows, n), dtype=np.float32))]
-    per_worker = [[op for _ in range(L) for n, m in shapes for op in operands(n, m)] + operands(V, D)
-                  for _ in range(workers)]
+        return (rng.standard_normal((rows, m), dtype=np.float32), rng.standard_normal((n, m), dtype=np.float32),
+                rng.standard_normal((rows, n), dtype=np.float32))
+    per_worker = [[operands(n, m) for n, m in linear_weight_shapes(cfg)] for _ in range(workers)]
     pool = ThreadPoolExecutor(workers)
 
     def worker(ops):

@@ -146,7 +146,7 @@ class DecodeStep:
         self.d_eps, self.one = D * config.norm_eps, np.array(1.0, dtype)
         # a row's norm in Python floats: 2 us, against 6 for the (B, 1) ufuncs' broadcasting
         self.one_row = B == 1
-        if B == 1:
+        if self.one_row:
             self.x_row, self.xn_row, self.norm = acts.x[0], acts.xn[0], np.empty((), dtype)
         else:
             self.sum_squares = np.empty((B, 1), dtype)

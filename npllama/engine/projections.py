@@ -536,11 +536,11 @@ class Arena:
     @staticmethod
     def room(shape, dtype) -> int:
         """The bytes empty(shape, dtype) takes of an arena."""
-        return int(np.prod(shape)) * np.dtype(dtype).itemsize + ARENA_ALIGN
+        return _nbytes(shape, dtype) + ARENA_ALIGN
 
     def empty(self, shape, dtype) -> np.ndarray:
         """An uninitialised C-contiguous array of the arena, at a multiple of ARENA_ALIGN bytes."""
-        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        size = _nbytes(shape, dtype)
         start = self.used
         if self.memory is None or start + size > self.memory.size:
             raise NpllamaError(f"Arena: no room for {size} bytes at {start} (released, or sized too small)")
@@ -557,6 +557,10 @@ class Arena:
 
 # Where each of an Arena's arrays starts: a cache line
 ARENA_ALIGN = 64
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 # The one block of memory kept from a released Arena (Arena's docstring)
 _spare: list = []
