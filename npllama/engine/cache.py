@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import NpllamaError
 from ..kvcache import KVCache
+from .helper import shared_zeros
 
 
 # Keys are stored transposed when a step's q has at most this many numbers (B KVH Dh). NumPy's
@@ -35,13 +36,18 @@ TRANSPOSED_KEYS_MAX = 256
 class DecodeCache(KVCache):
     """Keys and values of every layer, in the decode step's layout (module docstring)."""
 
-    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=np.float32):
+    def __init__(self, n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=np.float32,
+                 shared: bool = False):
+        """shared: keys and values in memory a process forked later sees (helper.shared_zeros), for a
+        decode step whose helper process attends with half of the heads (engine/decode.py)."""
         if batch_size < 1:
             raise NpllamaError(f"batch_size={batch_size} must be >= 1")
         self.keys_transposed = batch_size * n_kv_heads * head_dim <= TRANSPOSED_KEYS_MAX
+        self.shared = shared
+        zeros = shared_zeros if shared else np.zeros
         shape = (head_dim, max_seq_len) if self.keys_transposed else (max_seq_len, head_dim)
-        self.k = np.zeros((n_layers, batch_size, n_kv_heads, *shape), dtype=dtype)
-        self.v = np.zeros((n_layers, batch_size, n_kv_heads, max_seq_len, head_dim + 1), dtype=dtype)
+        self.k = zeros((n_layers, batch_size, n_kv_heads, *shape), dtype=dtype)
+        self.v = zeros((n_layers, batch_size, n_kv_heads, max_seq_len, head_dim + 1), dtype=dtype)
         self.v[..., head_dim] = 1.0
         # The same keys and values (without the ones) with the position first, (L, max_seq_len, B,
         # KVH, Dh): a decode step writes its position with one integer index, 0.3 us against 0.55
@@ -51,10 +57,11 @@ class DecodeCache(KVCache):
         self.length = 0
 
     @classmethod
-    def for_config(cls, config, batch_size: int, dtype, positions: int | None = None) -> DecodeCache:
+    def for_config(cls, config, batch_size: int, dtype, positions: int | None = None,
+                   shared: bool = False) -> DecodeCache:
         """A cache for config's model: batch_size rows of `positions` (default max_seq_len)."""
         return cls(config.n_layers, batch_size, config.n_kv_heads, config.cache_positions(positions), config.head_dim,
-                   dtype)
+                   dtype, shared)
 
     def write(self, layer: int, rows: slice, start: int, k, v):
         """Store k, v (b, KVH, T, Dh) of batch rows `rows` at positions start .. start + T - 1.

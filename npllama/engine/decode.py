@@ -17,7 +17,9 @@ block's layout for many rows would cost both. The reference's ops, in fewer, lar
     per NumPy call, or the parameters read in place for large ones, whose steps cost per byte of
     weights read (and whose weights may be memory-mapped, or held in float16 / bfloat16);
   - one row on two cores: each large product's second half runs in a helper process forked for
-    the generation (engine/helper.py), whose hand-off costs ~2 us where a thread's costs ~75;
+    the generation (engine/helper.py), whose hand-off costs ~2 us where a thread's costs ~75; and
+    each layer's attention over half of the heads, when the KV cache is in memory both processes
+    share (EngineDecoder makes it so: AttentionHeads), both cores then reading the cache;
   - one query needs no causal mask: every cached key 0 .. pos is in its past (a left-padded
     batch passes key_bias, -inf on its padded keys);
   - RoPE rotates q and k together with one complex multiply, as Meta's reference does: the
@@ -43,7 +45,8 @@ from .cache import DecodeCache
 from .fused import row_dot
 from .passes import forward
 from .helper import HelperProcess, available as helper_available
-from .projections import Activations, InPlaceProjections, RowHalves, StackedProjections, helper_weights, product_threads
+from .projections import (GEMV_THREADS_MIN_WEIGHTS, Activations, InPlaceProjections, RowHalves, StackedProjections,
+                          helper_weights, product_threads)
 from .upcast import has_half
 from ..errors import NpllamaError
 
@@ -80,6 +83,13 @@ STACKED_MAX_BYTES = 64 << 20
 SOFTMAX_SUM_RANGE = (2.0 ** -64, 2.0 ** 64)
 
 
+# OpenBLAS runs a GEMM on its threads from about m n k = 65536 GEMM_MULTITHREAD_THRESHOLD (4 by
+# default) on (interface/gemm.c); a gemv from GEMV_THREADS_MIN_WEIGHTS. Neither process of a step
+# with a helper may start OpenBLAS's threads (engine/helper.py), so the attention is shared only in
+# a cache short enough that no call of a half reaches them (110M's 12 heads of 64: 7,089 positions).
+GEMM_THREADS_MIN_MNK = 65536 * 4
+
+
 def choose_layout(params: dict) -> str:
     """"stacked" (copies, for small float models) or "in_place" (large, mapped or half-held ones)."""
     if has_half(params):
@@ -104,7 +114,7 @@ class DecodeStep:
     """
 
     def __init__(self, params: dict, config: LlamaConfig, rope, batch_size: int, layout: str | None = None,
-                 halves: RowHalves | None = None, steps: int | None = None):
+                 halves: RowHalves | None = None, steps: int | None = None, cache: DecodeCache | None = None):
         cos, sin = rope
         dtype = cos.dtype
         B, D, H, KVH, Dh = batch_size, config.dim, config.n_heads, config.n_kv_heads, config.head_dim
@@ -113,14 +123,14 @@ class DecodeStep:
         self.closed = False
         helper = HelperProcess() if uses_helper_process(params, B, steps or config.max_seq_len) else None
         try:
-            self._make_projections(params, config, B, dtype, helper, halves, steps)
+            self._make_projections(params, config, B, dtype, helper, halves, steps, cache)
         except OSError:                 # no fork, no shared memory (a process limit, no memory): one process
             if helper is None:
                 raise
             helper.close()
             if getattr(self, "projections", None) is not None:     # made, then the fork refused: its memory again
                 self.projections.release()
-            self._make_projections(params, config, B, dtype, None, halves, steps)
+            self._make_projections(params, config, B, dtype, None, halves, steps, None)
         acts = self.acts
         # The step's BLAS thread count, set for each step and restored after it; none set beside a
         # helper process, whose products' blocks are all too small for OpenBLAS's threads
@@ -136,11 +146,8 @@ class DecodeStep:
         self.qk = _view(acts.qkv[:, :(H + KVH) * Dh].view(complex_dtype), (B, H + KVH, Dh // 2))  # q, k as pairs
         self.q = _view(heads[:, :H], (B, KVH, R, Dh))
         self.k, self.v = heads[:, H:H + KVH], heads[:, H + KVH:]                                # (B, KVH, Dh)
-        L = config.n_layers
-        ev = np.empty((L, B * H, Dh + 1), dtype)                       # each layer's [sum e v | sum e], rows (b, head)
-        self.e_sums = ev[:, :, Dh]                                      # every layer's softmax denominators
-        self.ev = [(_view(e, (B, KVH, R, Dh + 1)), e[:, :Dh], e[:, Dh:]) for e in ev]   # matmul's out; the divide's
         self.shift = False                                              # subtract each row's max (SOFTMAX_SUM_RANGE)
+        self.no_halves = [None] * config.n_layers
         self.att_rows = _view(acts.att, (B * H, Dh))
         self.minus_a, self.b = acts.ab[:, :F], acts.ab[:, F:]
         self.d_eps, self.one = D * config.norm_eps, np.array(1.0, dtype)
@@ -151,20 +158,59 @@ class DecodeStep:
         else:
             self.sum_squares = np.empty((B, 1), dtype)
 
-    def _make_projections(self, params, config, B, dtype, helper, halves, steps):
-        """self.acts and self.projections, sharing the large products with helper (forked here, after
-        everything it needs is made; dropped when no product is large enough) or with halves."""
+    def _make_projections(self, params, config, B, dtype, helper, halves, steps, cache):
+        """self.acts, self.ev and self.projections, sharing the large products with helper (forked
+        here, after everything it needs is made; dropped when no product is large enough) or with
+        halves; and, when cache was made shared, half of each layer's attention heads
+        (self.attention_halves)."""
         self.helper = helper
-        self.acts = acts = Activations(config, B, dtype, empty=helper.empty if helper else np.empty)
+        empty = helper.empty if helper else np.empty
+        self.acts = acts = Activations(config, B, dtype, empty=empty)
+        H, KVH, Dh, L = config.n_heads, config.n_kv_heads, config.head_dim, config.n_layers
+        ev = empty((L, B * H, Dh + 1), dtype)                           # each layer's [sum e v | sum e], rows (b, head)
+        self.e_sums = ev[:, :, Dh]                                      # every layer's softmax denominators
+        self.ev = [(_view(e, (B, KVH, H // KVH, Dh + 1)), e[:, :Dh], e[:, Dh:]) for e in ev]   # matmul's out; the divide's
         if self.layout == "stacked":
             self.projections = StackedProjections(params, config, acts, helper or halves, steps)
         else:
             self.projections = InPlaceProjections(params, config, acts, helper or halves)
+        self.attention_halves = [None] * L
         if helper is not None:
             if helper.jobs:
+                if cache is not None and cache.shared:
+                    self.attention_halves = self._share_attention(config, helper, cache)
                 helper.start()
             else:
                 self.helper = None
+        self.cache = cache
+
+    def _share_attention(self, config, helper, cache) -> list:
+        """Per layer, (the helper's job, [our call]): each computing one layer's attention over its
+        half of the heads (AttentionHeads), reading the step's positions from the helper's arg.
+        Split by kv heads, or by the query heads of the one kv head there is; [None] * L for one head,
+        or for a cache so long that a call would run on OpenBLAS's threads (GEMM_THREADS_MIN_MNK)."""
+        H, KVH, Dh = config.n_heads, config.n_kv_heads, config.head_dim
+        R = H // KVH
+        q = _view(self.acts.qkv[:, :H * Dh], (1, KVH, R, Dh))
+        att_rows = _view(self.acts.att, (H, Dh))
+        if KVH >= 2:
+            parts = [(slice(0, KVH // 2), slice(None)), (slice(KVH // 2, KVH), slice(None))]
+        elif R >= 2:
+            parts = [(slice(None), slice(0, R // 2)), (slice(None), slice(R // 2, R))]
+        else:
+            return [None] * config.n_layers
+        rows = R if KVH >= 2 else R - R // 2            # the most query heads a call of a half multiplies
+        largest = rows * cache.positions * (Dh + 1)     # the values' product at the last position, m n k
+        if largest >= (GEMV_THREADS_MIN_WEIGHTS if rows == 1 else GEMM_THREADS_MIN_MNK):
+            return [None] * config.n_layers
+        halves = []
+        for k, v, (e_v, ev_sum, e_sum) in zip(cache.k, cache.v, self.ev):
+            ours, theirs = (AttentionHeads(q[:, g, r], k[:, g], v[:, g], e_v[:, g, r],
+                                           *(rows[_head_rows(g, r, KVH, R)] for rows in (ev_sum, e_sum, att_rows)),
+                                           cache.keys_transposed, helper.arg)
+                            for g, r in parts)
+            halves.append((helper.register([theirs]), [ours]))
+        return halves
 
     def close(self) -> None:
         """End the helper process, if the step has one (a step unclosed ends it when collected), and
@@ -207,6 +253,11 @@ class DecodeStep:
         # (the norm picked here, not stored on self: a bound method held by its own object would make a
         # cycle, and an unclosed step would wait for the garbage collector to end its helper process)
         norm = self._normalize_row if self.one_row else self._normalize
+        # each layer's attention over half of its heads on the helper process, the other half here
+        # (AttentionHeads), where the step has one and runs in its shared cache: None to run it whole
+        halves = (self.attention_halves if kv_cache is self.cache and not self.shift and key_bias is None
+                  else self.no_halves)
+        run = self.helper.run if self.helper is not None else None
         acts, minus_a, b, one = self.acts, self.minus_a, self.b, self.one
         x, res, g = acts.x, acts.res, acts.g
         qk, q, k, v, att_rows, shift = self.qk, self.q, self.k, self.v, self.att_rows, self.shift
@@ -215,25 +266,28 @@ class DecodeStep:
         rotation = self.rotation
         rotation[...] = self.rotations[pos]                                 # (H + KVH, Dh/2) complex
         self.projections.embed(ids, x)                                      # (B,) -> (B, D), the residual
-        for (qkv, o, gate_up, down), k_cache, v_cache, k_at, v_at, (e_v, ev_sum, e_sum) in zip(
-                self.projections.layers, kv_cache.k, kv_cache.v, kv_cache.k_at, kv_cache.v_at, self.ev):
+        for (qkv, o, gate_up, down), k_cache, v_cache, k_at, v_at, (e_v, ev_sum, e_sum), shared in zip(
+                self.projections.layers, kv_cache.k, kv_cache.v, kv_cache.k_at, kv_cache.v_at, self.ev, halves):
             norm(x)
             qkv()                                                           # xn -> [q / sqrt(Dh) | k | v]
             # attention of this position's q over the keys and values 0 .. pos, its own written first
             multiply(qk, rotation, qk)                                      # RoPE on q and k at once
             k_at[pos] = k                                                   # (B, KVH, Dh)
             v_at[pos] = v
-            if keys_transposed:                                             # (B, KVH, Dh, max_seq_len)
-                scores = matmul(q, k_cache[..., :S])                        # (B, KVH, R, S)
-            else:                                                           # (B, KVH, max_seq_len, Dh)
-                scores = matmul(q, k_cache[:, :, :S].swapaxes(-1, -2))
-            if key_bias is not None:
-                scores += key_bias
-            if shift:
-                scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
-            exp(scores, scores)
-            matmul(scores, v_cache[:, :, :S], e_v)                         # [sum e v | sum e] (B, KVH, R, Dh + 1)
-            divide(ev_sum, e_sum, att_rows)                                 # -> att; 2-D: 1.8 us, against 2.9 in 4-D
+            if shared is not None:                                          # half of the heads each
+                run(shared[0], shared[1], S)
+            else:
+                if keys_transposed:                                         # (B, KVH, Dh, max_seq_len)
+                    scores = matmul(q, k_cache[..., :S])                    # (B, KVH, R, S)
+                else:                                                       # (B, KVH, max_seq_len, Dh)
+                    scores = matmul(q, k_cache[:, :, :S].swapaxes(-1, -2))
+                if key_bias is not None:
+                    scores += key_bias
+                if shift:
+                    scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+                exp(scores, scores)
+                matmul(scores, v_cache[:, :, :S], e_v)                     # [sum e v | sum e] (B, KVH, R, Dh + 1)
+                divide(ev_sum, e_sum, att_rows)                             # -> att; 2-D: 1.8 us, against 2.9 in 4-D
             o()                                                             # att -> res
             add(x, res, x)
             norm(x)
@@ -262,6 +316,43 @@ class DecodeStep:
         x, norm = self.x_row, self.norm
         norm[()] = math.sqrt(x.dot(x) + self.d_eps)
         np.divide(x, norm, self.xn_row)
+
+
+class AttentionHeads:
+    """The one-row step's attention over some of a layer's heads, a call without arguments: its loop's
+    own four NumPy calls (scores, exp, [sum e v | sum e], the divide) on views of those heads, the
+    positions S read from positions() when called. A step with a helper process runs one half of the
+    heads so in the helper and the other here (DecodeStep._share_attention). Split by kv heads, each
+    kv head's calls are those of the whole (one BLAS call a kv head): the same bits; by the query
+    heads of one kv head (MQA), equal to rounding (a gemv for one query head, a GEMM for several).
+
+    q (1, g, r, Dh); k (1, g, Dh, max_seq_len) transposed or (1, g, max_seq_len, Dh); v (1, g,
+    max_seq_len, Dh + 1); e_v (1, g, r, Dh + 1) and its 2-D views ev_sum (g r, Dh), e_sum (g r, 1);
+    att_rows (g r, Dh): these heads' rows of the attention's output."""
+
+    def __init__(self, q, k, v, e_v, ev_sum, e_sum, att_rows, keys_transposed: bool, positions):
+        self.q, self.k, self.v, self.e_v = q, k, v, e_v
+        self.ev_sum, self.e_sum, self.att_rows = ev_sum, e_sum, att_rows
+        self.keys_transposed, self.positions = keys_transposed, positions
+
+    def __call__(self):
+        S = self.positions()
+        if self.keys_transposed:
+            scores = np.matmul(self.q, self.k[..., :S])
+        else:
+            scores = np.matmul(self.q, self.k[:, :, :S].swapaxes(-1, -2))
+        np.exp(scores, scores)
+        np.matmul(scores, self.v[:, :, :S], self.e_v)
+        np.divide(self.ev_sum, self.e_sum, self.att_rows)
+
+
+def _head_rows(g: slice, r: slice, KVH: int, R: int) -> slice:
+    """The rows (heads, kv head major) of kv heads g and their query heads r: one contiguous range
+    when either takes all (DecodeStep._share_attention's halves)."""
+    g0, g1, _ = g.indices(KVH)
+    r0, r1, _ = r.indices(R)
+    assert g1 - g0 == 1 or (r0, r1) == (0, R), (g, r)
+    return slice(g0 * R + r0, (g1 - 1) * R + r1)
 
 
 # A step forks a helper process only where it pays for the fork: 6-9 ms to fork and 7-9 to end it
@@ -308,7 +399,9 @@ class EngineDecoder(Decoder):
                  positions: int | None = None):
         self.params, self.config, self.rope = params, config, rope
         self.batch_size, self.layout = batch_size, _checked_layout(layout)
-        self.cache = DecodeCache.for_config(config, batch_size, rope[0].dtype, positions)
+        # shared with a helper process, where a step would fork one (half of its heads each)
+        self.cache = DecodeCache.for_config(config, batch_size, rope[0].dtype, positions,
+                                            shared=uses_helper_process(params, batch_size, config.cache_positions(positions)))
         self.halves = RowHalves()
         self.step_fn = None
 
@@ -323,7 +416,7 @@ class EngineDecoder(Decoder):
             key_bias = np.where(key_ok, 0.0, -np.inf).astype(self.cache.k.dtype)[:, None, None, :]
         if self.step_fn is None:                                # one step for each position left in the cache
             self.step_fn = DecodeStep(self.params, self.config, self.rope, self.batch_size, self.layout, self.halves,
-                                      steps=self.cache.positions - pos)
+                                      steps=self.cache.positions - pos, cache=self.cache)
         logits = self.step_fn(ids, pos, self.cache, key_bias)
         self.cache.length = pos + 1
         return logits

@@ -19,10 +19,11 @@ bits whichever process computes them.
 
 How. start() forks this process: the helper inherits every array made before it (the weights, the
 step's stacked copies), which neither side writes again, so they stay one copy in memory. What
-changes after the fork, the activations a job reads and the outputs it writes, lives in memory
-mapped shared (empty()). A job is a list of calls without arguments registered before start(). run()
-writes the job's index and then a new sequence number into the shared control words, runs the
-caller's half, and polls until the helper has written that number back. The helper polls the
+changes after the fork, the activations a job reads and the outputs it writes (and a decoder's KV
+cache), lives in memory mapped shared (empty(), shared_zeros). A job is a list of calls without
+arguments registered before start(). run() writes the job's index and its arg (an int both sides'
+calls may read through arg(): a decode step's positions), then a new sequence number into the
+shared control words, runs the caller's half, and polls until the helper has written that number back. The helper polls the
 sequence number while a generation runs, and naps (IDLE_NAP, later IDLE_LONG_NAP) once no job
 has come for IDLE_SPIN seconds, checking then that its parent is alive (it exits when not). It
 ignores Ctrl-C (the parent handles it and closes the helper) and ends with os._exit, flushing
@@ -57,7 +58,7 @@ import numpy as np
 from ..errors import NpllamaError
 
 # Control words, int64s at the start of the shared control page.
-SEQ, JOB, DONE, FAILED = 0, 1, 2, 3
+SEQ, JOB, DONE, FAILED, ARG = 0, 1, 2, 3, 4
 EXIT = -1                           # a sequence number that ends the helper
 # The helper polls without pause for this long after its last job (a generation's steps come
 # microseconds apart, between them the caller's sampling), then naps between polls: a paused
@@ -82,18 +83,13 @@ class HelperProcess:
         self._control = mmap.mmap(-1, mmap.PAGESIZE)           # anonymous, shared with a fork
         self._words = memoryview(self._control).cast("q")
         self.jobs: list[list] = []
-        self._shared: list[mmap.mmap] = []
         self._seq = 0
         self.pid = None
         self._finalizer = None
 
     def empty(self, shape, dtype) -> np.ndarray:
-        """An uninitialised array in memory this process and its helper both see (make before start)."""
-        dtype = np.dtype(dtype)
-        count = int(np.prod(shape))
-        block = mmap.mmap(-1, max(count * dtype.itemsize, 1))
-        self._shared.append(block)
-        return np.frombuffer(block, dtype=dtype, count=count).reshape(shape)
+        """An array in memory this process and its helper both see (make before start): shared_zeros."""
+        return shared_zeros(shape, dtype)
 
     def register(self, pieces: list) -> int:
         """Fix a job (calls without arguments, run in order by the helper) before start(); its index."""
@@ -121,12 +117,14 @@ class HelperProcess:
         self.pid = pid
         self._finalizer = weakref.finalize(self, _end, words, pid)
 
-    def run(self, job: int, ours: list) -> None:
-        """Run the registered job on the helper and every call of `ours` here; return when both are done."""
+    def run(self, job: int, ours: list, arg: int = 0) -> None:
+        """Run the registered job on the helper and every call of `ours` here; return when both are done.
+        arg: an int both sides' calls may read through arg() while they run (a decode step's positions)."""
         if self.pid is None:
             raise NpllamaError("the decoder's helper process is not running (never started, closed, or ended)")
         words = self._words
         self._seq = seq = self._seq + 1
+        words[ARG] = arg
         words[JOB] = job
         words[SEQ] = seq                                # after the job index: the helper reads them in this order
         try:
@@ -142,6 +140,10 @@ class HelperProcess:
         if words[FAILED]:
             words[FAILED] = 0
             raise NpllamaError("the decoder's helper process failed in one of its products; its error went to stderr")
+
+    def arg(self) -> int:
+        """The arg of the job being run (run's), in either process."""
+        return self._words[ARG]
 
     def _check_alive(self) -> None:
         try:
@@ -159,6 +161,16 @@ class HelperProcess:
         if self._finalizer is not None:
             self._finalizer()
         self.pid = None
+
+
+def shared_zeros(shape, dtype) -> np.ndarray:
+    """A zeroed array in anonymous memory mapped shared: a process forked after it is made and this one
+    see each other's writes to it (a HelperProcess's activations, a decoder's KV cache). Its pages
+    are made on first touch, zeroed, as np.zeros' are."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    block = mmap.mmap(-1, max(count * dtype.itemsize, 1))         # the array holds it (its base)
+    return np.frombuffer(block, dtype=dtype, count=count).reshape(shape)
 
 
 def _end(words, pid) -> None:

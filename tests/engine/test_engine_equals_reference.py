@@ -165,8 +165,10 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
     shifted: no softmax denominator passes the step's check (an empty SOFTMAX_SUM_RANGE), so the
     first step runs again with each row's max subtracted, and every later step runs so at once.
     helper: one row's every product, whatever its size, split in halves with a helper process
-    (engine/helper.py; HELPER_MIN_WEIGHTS 0), which then takes the place of the two-thread paths;
-    else no helper process, as on a platform without one."""
+    (engine/helper.py; HELPER_MIN_WEIGHTS 0), which then takes the place of the two-thread paths,
+    and, in a cache made shared as EngineDecoder makes it, each layer's attention over half of the
+    heads on either side (kv heads, or the query heads of one kv head; not for one head, nor once
+    shifted: then whole); else no helper process, as on a platform without one."""
     with key_layout(keys_transposed), helper_process(helper), \
             mock.patch.object(decode, "SOFTMAX_SUM_RANGE", (np.inf, 0.0) if shifted else decode.SOFTMAX_SUM_RANGE), \
             mock.patch.object(projections, "SMALL_BLOCKS", small_blocks), \
@@ -179,20 +181,25 @@ def test_cached_prefill_and_every_decode_step_equal_the_full_reference_forward(c
             mock.patch.object(projections, "CORES_BLOCK_ROWS", 5 if split else projections.CORES_BLOCK_ROWS), \
             mock.patch.object(projections, "get_blas_threads", lambda: 2), \
             mock.patch.object(projections, "available_cores", lambda: 2 if split or helper else 1):
-        step = _decode_equals_the_reference(cfg, B, P, layout, seed, steps)
+        step = _decode_equals_the_reference(cfg, B, P, layout, seed, steps, shared_cache=helper and B == 1)
     assert step.shift == shifted
     assert (step.helper is not None) == (helper and B == 1 and engine_helper.available())
+    halved = [part is not None for part in step.attention_halves]
+    assert halved == [step.helper is not None and cfg.n_heads >= 2] * cfg.n_layers
 
 
-def _decode_equals_the_reference(cfg, B, P, layout, seed, steps=None):
+def _decode_equals_the_reference(cfg, B, P, layout, seed, steps=None, shared_cache=False):
+    """shared_cache: the cache made shared and handed to the step, as EngineDecoder does (the step's
+    helper process, if it has one, then attends with half of the heads)."""
     model = random_model(cfg, seed)
     seq = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, cfg.max_seq_len))
-    kv = model.new_kv_cache(B)
+    kv = DecodeCache.for_config(cfg, B, np.float64, shared=True) if shared_cache else model.new_kv_cache(B)
     assert isinstance(kv, DecodeCache) and kv.keys_transposed == (engine_cache.TRANSPOSED_KEYS_MAX > 0)
     prefill = model.forward(seq[:, :P], kv_cache=kv)
     assert rel_error(prefill, reference.forward(model.params, cfg, seq[:, :P])[0]) < TOL
     halves = projections.RowHalves()
-    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout, halves=halves, steps=steps)
+    step = DecodeStep(model.params, cfg, model.rope, B, layout=layout, halves=halves, steps=steps,
+                      cache=kv if shared_cache else None)
     try:
         for pos in range(P, cfg.max_seq_len):
             logits = step(seq[:, pos], pos, kv)
@@ -345,6 +352,66 @@ def test_a_one_row_step_shares_its_large_products_with_a_helper_process(monkeypa
     assert helper_ended(pid)
     model.generate([1, 2], max_new_tokens=5)
     assert len(started) == 2 and helper_ended(started[1])
+
+
+@pytest.mark.skipif(not engine_helper.available(), reason="a helper process needs Linux on x86-64")
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (3, 1), (6, 3)])
+def test_a_one_row_decoder_s_helper_process_attends_with_half_of_the_heads_the_same_bits(monkeypatch, heads,
+                                                                                        kv_heads):
+    """A one-row EngineDecoder whose step forks a helper process makes its cache in shared memory,
+    and each layer's attention runs over half of the kv heads in either process (over half of the
+    query heads of MQA's one kv head; 3 of 6 kv heads, or 1 of 3 query heads, and the rest): every
+    step equals the reference, and the same decoder's steps in a cache not shared, where the step
+    attends with every head here: bit for bit when split by kv heads (the same BLAS call a kv head),
+    to rounding when by query heads (one query head's product a gemv where all three's is a GEMM).
+    A sliding-window generation, whose full cache starts a new decoder, gives the reference
+    backend's tokens."""
+    cfg = npllama.LlamaConfig(dim=4 * heads, n_layers=2, n_heads=heads, n_kv_heads=kv_heads, vocab_size=13,
+                              hidden_dim=20, max_seq_len=12)
+    model = random_model(cfg, 7)
+    monkeypatch.setattr(projections, "available_cores", lambda: 2)
+    monkeypatch.setattr(projections, "get_blas_threads", lambda: 2)
+    monkeypatch.setattr(projections, "HELPER_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(decode, "HELPER_MIN_WEIGHT_STEPS", 0)
+    seq = np.random.default_rng(7).integers(0, cfg.vocab_size, cfg.max_seq_len)
+    P = 3
+
+    def steps(shared: bool):
+        decoder = decode.EngineDecoder(model.params, cfg, model.rope, 1)
+        assert decoder.cache.shared
+        if not shared:
+            decoder.cache = DecodeCache.for_config(cfg, 1, np.float64)
+        decoder.prefill(seq[None, :P], None)
+        try:
+            logits = [decoder.step(seq[pos:pos + 1], pos, None).copy() for pos in range(P, cfg.max_seq_len)]
+            step = decoder.step_fn
+            assert step.helper is not None
+            assert [half is not None for half in step.attention_halves] == [shared] * cfg.n_layers
+            return np.array(logits)
+        finally:
+            decoder.close()
+
+    halved = steps(shared=True)
+    for i, pos in enumerate(range(P, cfg.max_seq_len)):
+        assert rel_error(halved[i], reference.forward(model.params, cfg, seq[None, :pos + 1])[0][:, -1]) < TOL, pos
+    whole = steps(shared=False)
+    assert np.array_equal(halved, whole) if kv_heads >= 2 else rel_error(halved, whole) < TOL
+    on_reference = npllama.Llama.from_params(cfg, model.params, backend="reference")
+    ids = model.generate(seq[:P], max_new_tokens=25, sliding_window=True)
+    assert np.array_equal(ids, on_reference.generate(seq[:P], max_new_tokens=25, sliding_window=True))
+    # a cache long enough for a half's products to reach OpenBLAS's threads: the attention whole, here
+    rows = heads // kv_heads if kv_heads >= 2 else heads - heads // 2
+    largest = rows * cfg.max_seq_len * (cfg.head_dim + 1)
+    monkeypatch.setattr(decode, "GEMV_THREADS_MIN_WEIGHTS" if rows == 1 else "GEMM_THREADS_MIN_MNK", largest)
+    decoder = decode.EngineDecoder(model.params, cfg, model.rope, 1)
+    decoder.prefill(seq[None, :P], None)
+    try:
+        decoder.step(seq[P:P + 1], P, None)
+        assert decoder.step_fn.helper is not None and decoder.step_fn.attention_halves == [None] * cfg.n_layers
+    finally:
+        decoder.close()
+    monkeypatch.setattr(decode, "GEMV_THREADS_MIN_WEIGHTS" if rows == 1 else "GEMM_THREADS_MIN_MNK", largest + 1)
+    assert steps(shared=True).shape == halved.shape      # a bound one above: shared again (steps checks)
 
 
 @pytest.mark.skipif(not engine_helper.available(), reason="a helper process needs Linux on x86-64")

@@ -81,6 +81,24 @@ def test_the_helper_computes_its_half_of_each_new_input_and_ends_on_close():
     h.close()                                     # closing twice does nothing
 
 
+def test_both_sides_calls_read_the_arg_of_the_run_and_see_a_shared_array_written_after_the_fork():
+    """run(job, ours, arg): each side's calls read arg through h.arg() (a decode step's positions);
+    an array made by helper.shared_zeros before the fork (a decoder's KV cache) is zeroed, and what
+    this process writes into it afterwards the helper reads."""
+    h = HelperProcess()
+    cache = helper.shared_zeros((2, 16), np.float64)
+    assert not cache.any()
+    sums = h.empty((2,), np.float64)
+    job = h.register([lambda: sums.__setitem__(1, cache[1, :h.arg()].sum())])
+    ours = [lambda: sums.__setitem__(0, cache[0, :h.arg()].sum())]
+    h.start()
+    for n in (3, 16, 1, 9):
+        cache[:, n - 1] = [n, 10 * n]               # written here, after the fork
+        h.run(job, ours, arg=n)
+        assert np.array_equal(sums, cache[:, :n].sum(axis=1))
+    h.close()
+
+
 def test_a_failing_job_raises_an_npllama_error_and_the_helper_goes_on(capfd):
     h = HelperProcess()
     w, x, out, job, ours = halves_of_a_product(h)
