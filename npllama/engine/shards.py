@@ -3,8 +3,9 @@
 A multi-threaded BLAS parallelises the GEMMs but leaves every element-wise pass (norms,
 softmax, SwiGLU, RoPE) on one core. Cutting the batch into shards and running them on one
 thread per core, each with a single BLAS thread, parallelises everything: NumPy releases the
-GIL inside its ufuncs and BLAS calls. Shards are sized so that a shard's temporaries stay in a
-core's cache (measured: 5-10% faster per token than whole batches).
+GIL inside its ufuncs and BLAS calls. Shards are sized so that a shard's temporaries stay near a
+core's cache (measured: 5-10% faster per token than whole batches), two or more a worker in a
+large pass (SHARD_ACTIVATIONS).
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ from .settings import blas_threads
 # Below this many activations per layer (B * T * D) a step takes about a millisecond, and handing
 # shards to threads costs more than it saves.
 MIN_SHARDED_ACTIVATIONS = 1 << 16
-# Activations per layer (rows * T * D) in one shard: small enough for a core's cache.
-SHARD_ACTIVATIONS = 1 << 17
+# Activations per layer (rows * T * D) in one shard at most, where the rows allow; a pass of at least
+# this many is cut into at least two shards per worker. Measured on the 2-core AMD EPYC (6 December
+# 2026, loss_and_grads, medians of 7-15 alternating rounds): 4 shards against 8 (1 << 17 before)
+# c (8 x 256 x 288) 851-934 ms against 912-989, b (16 x 256 x 256) 1,184 against 1,283, and a
+# (32 x 128 x 128) 260 against 281; 4 against 2: a 274 against 295, b 1,184 against 1,406, c
+# 851-934 against 917-950; and p (16 x 64 x 128), below the bound, 2 shards 68.5 ms against 4's 75.1.
+# Each shard's weight gradients are one more term to sum (n - 1 additions of every weight), and
+# fewer tokens a shard make smaller GEMMs; one shard a worker leaves the workers no way to even out.
+SHARD_ACTIVATIONS = 1 << 18
 
 _EXECUTORS: dict[int, ThreadPoolExecutor] = {}
 
@@ -51,12 +59,15 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 
 
 def n_shards(workers: int, batch_size: int, seq_len: int, dim: int) -> int:
-    """How many shards run_sharded cuts a (batch_size, seq_len) batch into: at least one per worker,
-    and more when rows are large, so that a shard holds about SHARD_ACTIVATIONS; rounded up to the
-    first count that gives every worker as many rows (a multiple of workers dividing the rows),
-    where there is one. (4 rows in 3 shards on 2 threads would run 2 rows on one thread after its
-    1, while the other waits: a third longer than 4 shards, with 3 rows' activations alive at once.)"""
-    wanted = min(batch_size, max(workers, -(-batch_size * seq_len * dim // SHARD_ACTIVATIONS)))
+    """How many shards run_sharded cuts a (batch_size, seq_len) batch into: at least one per worker
+    (two from SHARD_ACTIVATIONS activations on), and more when rows are large, so that a shard holds
+    at most about SHARD_ACTIVATIONS; rounded up to the first count that gives every worker as many
+    rows (a multiple of workers dividing the rows), where there is one. (4 rows in 3 shards on 2
+    threads would run 2 rows on one thread after its 1, while the other waits: a third longer than
+    4 shards, with 3 rows' activations alive at once.)"""
+    activations = batch_size * seq_len * dim
+    per_worker = 2 if activations >= SHARD_ACTIVATIONS else 1
+    wanted = min(batch_size, max(per_worker * workers, -(-activations // SHARD_ACTIVATIONS)))
     balanced = [n for n in range(wanted, batch_size + 1) if n % workers == 0 and batch_size % n == 0]
     return balanced[0] if balanced else wanted
 

@@ -106,10 +106,17 @@ def test_the_sums_order_is_fixed_so_threads_never_change_a_bit(monkeypatch):
 
 
 def test_shards_give_every_worker_as_many_rows_where_the_rows_allow():
-    for B, T, D, workers in ((4, 128, 768, 2), (8, 256, 288, 2), (16, 256, 256, 2), (32, 128, 128, 2), (6, 64, 64, 3)):
+    """... and a pass of SHARD_ACTIVATIONS or more two shards a worker at least, where the rows allow:
+    the benchmarks' b, c and a in 4 shards on two workers, p (below the bound) in 2, k's 2 rows in 2."""
+    for B, T, D, workers in ((4, 128, 768, 2), (8, 256, 288, 2), (16, 256, 256, 2), (32, 128, 128, 2), (6, 64, 64, 3),
+                             (16, 64, 128, 2), (2, 512, 768, 2), (24, 128, 128, 3)):
         rows = [r.stop - r.start for r in shards.shard_rows(B, T, D, workers)]
         assert len(rows) % workers == 0 and len(set(rows)) == 1, (B, T, D, rows)
         assert len(rows) >= -(-B * T * D // shards.SHARD_ACTIVATIONS) or len(rows) == B   # no larger than asked
+        large = B * T * D >= shards.SHARD_ACTIVATIONS
+        assert len(rows) >= min(B, (2 if large else 1) * workers), (B, T, D, rows)
+    assert [len(shards.shard_rows(B, T, D, 2)) for B, T, D in
+            ((16, 256, 256), (8, 256, 288), (32, 128, 128), (16, 64, 128), (2, 512, 768))] == [4, 4, 4, 2, 2]
     assert [r.stop - r.start for r in shards.shard_rows(5, 64, 64, 2)] == [2, 3]   # 5 rows: as even as it gets
 
 
