@@ -41,6 +41,7 @@ import numpy as np
 from ..config import LlamaConfig
 from ..backend import Decoder
 from .settings import blas_threads
+from .attention import SOFTMAX_SUM_RANGE
 from .cache import DecodeCache
 from .fused import row_dot
 from .passes import forward
@@ -70,17 +71,13 @@ DECODE_BLAS_THREADS = 1
 # and tie at batch 8, and a copy would double the memory of a model that costs per byte read.
 STACKED_MAX_BYTES = 64 << 20
 
-# softmax(s) = exp(s - m) / sum(exp(s - m)) for any m; the reference subtracts each row's max so
-# that no exp overflows. A step subtracts nothing (two NumPy calls a layer fewer: stories260K's step
+# A step subtracts no max before its softmax's exp (engine/attention.py's SOFTMAX_SUM_RANGE, which
+# the training attention's blocks check too): two NumPy calls a layer fewer (stories260K's step
 # 174-181 us against 189-208, the fastest of 7 runs, alternating, AMD EPYC, 6 December 2026; with
-# the 2-D divide below) and checks at its end, in two reductions over every layer's
-# denominators sum_s exp(s), that each lay within this range. There no term overflows (each is at
-# most the sum) and a term that underflows (below 2**-126 in float32) is off by at most 2**-149,
-# 2**-85 of its row's sum: the result is as accurate as the shifted one's. (Values of 2**64 and
-# more aside, where sum_s exp(s) v_s could overflow.) When a row's sum falls outside (scores of
-# +-44 and beyond, or NaN), the step runs again with each row's max subtracted, as the decoder's
-# later steps then do. stories260K's rows peak at scores of -6 to 24.
-SOFTMAX_SUM_RANGE = (2.0 ** -64, 2.0 ** 64)
+# the 2-D divide below). It checks at its end, in two reductions over every layer's denominators,
+# that each lay within the range; when a row's falls outside (scores of +-44 and beyond, or NaN),
+# the step runs again with each row's max subtracted, as the decoder's later steps then do.
+# stories260K's rows peak at scores of -6 to 24.
 
 
 # OpenBLAS runs a GEMM on its threads from about m n k = 65536 GEMM_MULTITHREAD_THRESHOLD (4 by

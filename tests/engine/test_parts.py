@@ -6,6 +6,8 @@ and the parameters a model starts from."""
 import math
 import sys
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -128,12 +130,17 @@ def test_every_target_ignored_is_an_error():
 
 @settings(max_examples=40)
 @given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 3), st.integers(1, 13), st.integers(1, 3),
-       st.integers(1, 6), st.booleans(), st.integers(0, 1000))
-def test_block_causal_attention_equals_the_reference_op(b, KVH, R, T, half, block, keep_probs, seed):
-    """engine.attention on its own layout against ops.attention, float64: out, dq, dk, dv."""
+       st.integers(1, 6), st.booleans(), st.sampled_from([1.0, 30.0]), st.booleans(), st.integers(0, 1000))
+def test_block_causal_attention_equals_the_reference_op(b, KVH, R, T, half, block, keep_probs, spread, shift_all,
+                                                        seed):
+    """engine.attention on its own layout against ops.attention, float64: out, dq, dk, dv. spread:
+    queries that large make scores whose exp overflows or underflows, so blocks fail the check of
+    their sums (attention.SOFTMAX_SUM_RANGE) and subtract their rows' max; shift_all: an empty
+    range, so every block does; else at the usual scale none does."""
     rng = np.random.default_rng(seed)
     H, Dh = KVH * R, 2 * half
     q, k, v = rng.standard_normal((b, H, T, Dh)), rng.standard_normal((b, KVH, T, Dh)), rng.standard_normal((b, KVH, T, Dh))
+    q *= spread
     expected, cache = attention_forward(q, k, v)
     dout = rng.standard_normal(expected.shape)
     dq_ref, dk_ref, dv_ref = attention_backward(dout, cache)
@@ -141,14 +148,50 @@ def test_block_causal_attention_equals_the_reference_op(b, KVH, R, T, half, bloc
     q_rows = (q * scale).reshape(b, KVH, R, T, Dh).transpose(0, 1, 3, 2, 4).reshape(b, KVH, T * R, Dh)  # rows (t, r)
     v1 = np.concatenate([v, np.ones((b, KVH, T, 1))], axis=-1)
     out = np.empty((b, T, KVH, R, Dh))
-    c = attention.attention_forward(q_rows, k, v1, out.transpose(0, 2, 1, 3, 4), block=block, keep_probs=keep_probs)
+    with mock.patch.object(attention, "SOFTMAX_SUM_RANGE", (np.inf, 0.0) if shift_all else attention.SOFTMAX_SUM_RANGE):
+        c = attention.attention_forward(q_rows, k, v1, out.transpose(0, 2, 1, 3, 4), block=block,
+                                        keep_probs=keep_probs)
+    assert len(c.shifted) == len(attention.blocks(T, block))
+    if shift_all or spread == 1.0:
+        assert c.shifted == [shift_all] * len(c.shifted)
     assert rel_error(out, expected.reshape(b, KVH, R, T, Dh).transpose(0, 3, 1, 2, 4)) < 1e-12
     dv = np.empty_like(k)
     dq, dk = attention.attention_backward(dout.reshape(b, KVH, R, T, Dh).transpose(0, 3, 1, 2, 4), out, c, dv)
     dq = dq.reshape(b, KVH, T, R, Dh).transpose(0, 1, 3, 2, 4).reshape(b, H, T, Dh) * scale
-    floor = 1e-4 * np.linalg.norm(dv_ref)        # dq = dk = 0 exactly at T = 1: rounding noise either side
+    floor = 1e-4 * spread * np.linalg.norm(dv_ref)      # dq = dk = 0 exactly at T = 1: rounding noise either side
     for got, expected in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
         assert rel_error(got, expected, floor=floor) < 1e-10
+
+
+def test_attention_scores_whose_exp_overflows_are_shifted_and_would_be_wrong_unchecked():
+    """Scores in the thousands: exp of them overflows (inf / inf) or underflows (0 / 0). Each block
+    checks its rows' sums (attention.SOFTMAX_SUM_RANGE), and those out of range are computed again
+    with their rows' max subtracted: out and dv equal the reference (dq and dk, nearly zero at
+    softmaxes this peaked, are rounding noise on either side; test_block_causal_attention_equals_
+    the_reference_op checks them in shifted blocks, at scores of tens). With the check made to pass
+    whatever the sums (a range of [0, inf]), the same blocks give NaN."""
+    rng = np.random.default_rng(3)
+    b, KVH, R, T, Dh = 1, 2, 2, 9, 4
+    q, k, v = (rng.standard_normal((b, n, T, Dh)) for n in (KVH * R, KVH, KVH))
+    q *= 3000.0
+    expected, cache = attention_forward(q, k, v)
+    dout = rng.standard_normal(expected.shape)
+    _, _, dv_ref = attention_backward(dout, cache)
+    q_rows = (q / math.sqrt(Dh)).reshape(b, KVH, R, T, Dh).transpose(0, 1, 3, 2, 4).reshape(b, KVH, T * R, Dh)
+    v1 = np.concatenate([v, np.ones((b, KVH, T, 1))], axis=-1)
+    for unchecked in (False, True):
+        out = np.empty((b, T, KVH, R, Dh))
+        with mock.patch.object(attention, "SOFTMAX_SUM_RANGE", (0.0, np.inf) if unchecked else attention.SOFTMAX_SUM_RANGE), \
+                np.errstate(invalid="ignore", divide="ignore"):
+            c = attention.attention_forward(q_rows, k, v1, out.transpose(0, 2, 1, 3, 4), block=4, keep_probs=False)
+        if unchecked:
+            assert not any(c.shifted) and np.isnan(out).any()
+            continue
+        assert all(c.shifted)
+        assert rel_error(out, expected.reshape(b, KVH, R, T, Dh).transpose(0, 3, 1, 2, 4)) < 1e-12
+        dv = np.empty_like(k)
+        attention.attention_backward(dout.reshape(b, KVH, R, T, Dh).transpose(0, 3, 1, 2, 4), out, c, dv)
+        assert rel_error(dv, dv_ref) < 1e-12
 
 
 @settings(max_examples=20)
