@@ -83,7 +83,7 @@ STACKED_MAX_BYTES = 64 << 20
 # OpenBLAS runs a GEMM on its threads from about m n k = 65536 GEMM_MULTITHREAD_THRESHOLD (4 by
 # default) on (interface/gemm.c); a gemv from GEMV_THREADS_MIN_WEIGHTS. Neither process of a step
 # with a helper may start OpenBLAS's threads (engine/helper.py), so the attention is shared only in
-# a cache short enough that no call of a half reaches them (110M's 12 heads of 64: 7,089 positions).
+# a cache short enough that no call of a half reaches them (110M's 12 heads of 64: up to 7,089 positions).
 GEMM_THREADS_MIN_MNK = 65536 * 4
 
 
@@ -164,9 +164,10 @@ class DecodeStep:
         empty = helper.empty if helper else np.empty
         self.acts = acts = Activations(config, B, dtype, empty=empty)
         H, KVH, Dh, L = config.n_heads, config.n_kv_heads, config.head_dim, config.n_layers
-        ev = empty((L, B * H, Dh + 1), dtype)                           # each layer's [sum e v | sum e], rows (b, head)
-        self.e_sums = ev[:, :, Dh]                                      # every layer's softmax denominators
-        self.ev = [(_view(e, (B, KVH, H // KVH, Dh + 1)), e[:, :Dh], e[:, Dh:]) for e in ev]   # matmul's out; the divide's
+        ev = empty((L, B * H, Dh + 1), dtype)               # each layer's [sum e v | sum e], rows (b, head)
+        self.e_sums = ev[:, :, Dh]                          # every layer's softmax denominators
+        # per layer: the values' matmul's out (B, KVH, R, Dh + 1), and the divide's operands
+        self.ev = [(_view(e, (B, KVH, H // KVH, Dh + 1)), e[:, :Dh], e[:, Dh:]) for e in ev]
         if self.layout == "stacked":
             self.projections = StackedProjections(params, config, acts, helper or halves, steps)
         else:
@@ -196,14 +197,14 @@ class DecodeStep:
             parts = [(slice(None), slice(0, R // 2)), (slice(None), slice(R // 2, R))]
         else:
             return [None] * config.n_layers
-        rows = R if KVH >= 2 else R - R // 2            # the most query heads a call of a half multiplies
-        largest = rows * cache.positions * (Dh + 1)     # the values' product at the last position, m n k
-        if largest >= (GEMV_THREADS_MIN_WEIGHTS if rows == 1 else GEMM_THREADS_MIN_MNK):
+        per_call = R if KVH >= 2 else R - R // 2        # the most query heads a call of a half multiplies
+        largest = per_call * cache.positions * (Dh + 1)  # the values' product at the last position, m n k
+        if largest >= (GEMV_THREADS_MIN_WEIGHTS if per_call == 1 else GEMM_THREADS_MIN_MNK):
             return [None] * config.n_layers
         halves = []
         for k, v, (e_v, ev_sum, e_sum) in zip(cache.k, cache.v, self.ev):
             ours, theirs = (AttentionHeads(q[:, g, r], k[:, g], v[:, g], e_v[:, g, r],
-                                           *(rows[_head_rows(g, r, KVH, R)] for rows in (ev_sum, e_sum, att_rows)),
+                                           *(a[_head_rows(g, r, KVH, R)] for a in (ev_sum, e_sum, att_rows)),
                                            cache.keys_transposed, helper.arg)
                             for g, r in parts)
             halves.append((helper.register([theirs]), [ours]))
@@ -322,6 +323,9 @@ class AttentionHeads:
     heads so in the helper and the other here (DecodeStep._share_attention). Split by kv heads, each
     kv head's calls are those of the whole (one BLAS call a kv head): the same bits; by the query
     heads of one kv head (MQA), equal to rounding (a gemv for one query head, a GEMM for several).
+    The step's loop writes the same four calls inline for the whole, as it writes every op, because a
+    small model's step costs per call and per name read (stories260K, third session); tests check the
+    two equal (test_engine_equals_reference.py).
 
     q (1, g, r, Dh); k (1, g, Dh, max_seq_len) transposed or (1, g, max_seq_len, Dh); v (1, g,
     max_seq_len, Dh + 1); e_v (1, g, r, Dh + 1) and its 2-D views ev_sum (g r, Dh), e_sum (g r, 1);
@@ -397,8 +401,8 @@ class EngineDecoder(Decoder):
         self.params, self.config, self.rope = params, config, rope
         self.batch_size, self.layout = batch_size, _checked_layout(layout)
         # shared with a helper process, where a step would fork one (half of its heads each)
-        self.cache = DecodeCache.for_config(config, batch_size, rope[0].dtype, positions,
-                                            shared=uses_helper_process(params, batch_size, config.cache_positions(positions)))
+        shared = uses_helper_process(params, batch_size, config.cache_positions(positions))
+        self.cache = DecodeCache.for_config(config, batch_size, rope[0].dtype, positions, shared=shared)
         self.halves = RowHalves()
         self.step_fn = None
 

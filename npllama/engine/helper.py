@@ -23,8 +23,8 @@ changes after the fork, the activations a job reads and the outputs it writes (a
 cache), lives in memory mapped shared (empty(), shared_zeros). A job is a list of calls without
 arguments registered before start(). run() writes the job's index and its arg (an int both sides'
 calls may read through arg(): a decode step's positions), then a new sequence number into the
-shared control words, runs the caller's half, and polls until the helper has written that number back. The helper polls the
-sequence number while a generation runs, and naps (IDLE_NAP, later IDLE_LONG_NAP) once no job
+shared control words, runs the caller's half, and polls until the helper has written that number
+back. The helper polls the sequence number while a generation runs, and naps (IDLE_NAP, later IDLE_LONG_NAP) once no job
 has come for IDLE_SPIN seconds, checking then that its parent is alive (it exits when not). It
 ignores Ctrl-C (the parent handles it and closes the helper) and ends with os._exit, flushing
 nothing of its parent's.

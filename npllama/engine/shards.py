@@ -27,7 +27,7 @@ MIN_SHARDED_ACTIVATIONS = 1 << 16
 # 2026, loss_and_grads, medians of 7-15 alternating rounds): 4 shards against 8 (1 << 17 before)
 # c (8 x 256 x 288) 851-934 ms against 912-989, b (16 x 256 x 256) 1,184 against 1,283, and a
 # (32 x 128 x 128) 260 against 281; 4 against 2: a 274 against 295, b 1,184 against 1,406, c
-# 851-934 against 917-950; and p (16 x 64 x 128), below the bound, 2 shards 68.5 ms against 4's 75.1.
+# 851-934 against 908-950; and p (16 x 64 x 128), below the bound, 2 shards 68.5 ms against 4's 75.1.
 # Each shard's weight gradients are one more term to sum (n - 1 additions of every weight), and
 # fewer tokens a shard make smaller GEMMs; one shard a worker leaves the workers no way to even out.
 SHARD_ACTIVATIONS = 1 << 18

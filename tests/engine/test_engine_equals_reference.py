@@ -393,16 +393,18 @@ def test_a_one_row_decoder_s_helper_process_attends_with_half_of_the_heads_the_s
 
     halved = steps(shared=True)
     for i, pos in enumerate(range(P, cfg.max_seq_len)):
-        assert rel_error(halved[i], reference.forward(model.params, cfg, seq[None, :pos + 1])[0][:, -1]) < TOL, pos
+        expected = reference.forward(model.params, cfg, seq[None, :pos + 1])[0][:, -1]
+        assert rel_error(halved[i], expected) < TOL, pos
     whole = steps(shared=False)
     assert np.array_equal(halved, whole) if kv_heads >= 2 else rel_error(halved, whole) < TOL
     on_reference = npllama.Llama.from_params(cfg, model.params, backend="reference")
     ids = model.generate(seq[:P], max_new_tokens=25, sliding_window=True)
     assert np.array_equal(ids, on_reference.generate(seq[:P], max_new_tokens=25, sliding_window=True))
     # a cache long enough for a half's products to reach OpenBLAS's threads: the attention whole, here
-    rows = heads // kv_heads if kv_heads >= 2 else heads - heads // 2
-    largest = rows * cfg.max_seq_len * (cfg.head_dim + 1)
-    monkeypatch.setattr(decode, "GEMV_THREADS_MIN_WEIGHTS" if rows == 1 else "GEMM_THREADS_MIN_MNK", largest)
+    per_call = heads // kv_heads if kv_heads >= 2 else heads - heads // 2
+    largest = per_call * cfg.max_seq_len * (cfg.head_dim + 1)
+    bound = "GEMV_THREADS_MIN_WEIGHTS" if per_call == 1 else "GEMM_THREADS_MIN_MNK"
+    monkeypatch.setattr(decode, bound, largest)
     decoder = decode.EngineDecoder(model.params, cfg, model.rope, 1)
     decoder.prefill(seq[None, :P], None)
     try:
@@ -410,7 +412,7 @@ def test_a_one_row_decoder_s_helper_process_attends_with_half_of_the_heads_the_s
         assert decoder.step_fn.helper is not None and decoder.step_fn.attention_halves == [None] * cfg.n_layers
     finally:
         decoder.close()
-    monkeypatch.setattr(decode, "GEMV_THREADS_MIN_WEIGHTS" if rows == 1 else "GEMM_THREADS_MIN_MNK", largest + 1)
+    monkeypatch.setattr(decode, bound, largest + 1)
     assert steps(shared=True).shape == halved.shape      # a bound one above: shared again (steps checks)
 
 

@@ -181,8 +181,8 @@ def test_attention_scores_whose_exp_overflows_are_shifted_and_would_be_wrong_unc
     v1 = np.concatenate([v, np.ones((b, KVH, T, 1))], axis=-1)
     for unchecked in (False, True):
         out = np.empty((b, T, KVH, R, Dh))
-        with mock.patch.object(attention, "SOFTMAX_SUM_RANGE", (0.0, np.inf) if unchecked else attention.SOFTMAX_SUM_RANGE), \
-                np.errstate(invalid="ignore", divide="ignore"):
+        checked = (0.0, np.inf) if unchecked else attention.SOFTMAX_SUM_RANGE
+        with mock.patch.object(attention, "SOFTMAX_SUM_RANGE", checked), np.errstate(invalid="ignore", divide="ignore"):
             c = attention.attention_forward(q_rows, k, v1, out.transpose(0, 2, 1, 3, 4), block=4, keep_probs=False)
         if unchecked:
             assert not any(c.shifted) and np.isnan(out).any()
