@@ -245,7 +245,8 @@ class DecodeStep:
 
     def _step(self, ids, pos, kv_cache, key_bias):
         # Every name the layers' loop reads is a local, bound once a step: a layer read some 25
-        # attributes and globals, and called the attention as a method. With the tiled rotations
+        # attributes and globals, and called the attention as a method (now one function, attend,
+        # of locals, which its helper's half runs too). With the tiled rotations
         # and the position-first writes, stories260K's step runs 3-5% faster for it, the same bits
         # (medians of per-round ratios 0.954-0.968, alternating in one process, AMD EPYC, 6 December 2026).
         # (the norm picked here, not stored on self: a bound method held by its own object would make a
@@ -259,7 +260,7 @@ class DecodeStep:
         acts, minus_a, b, one = self.acts, self.minus_a, self.b, self.one
         x, res, g = acts.x, acts.res, acts.g
         qk, q, k, v, att_rows, shift = self.qk, self.q, self.k, self.v, self.att_rows, self.shift
-        multiply, matmul, exp, add, subtract, divide = np.multiply, np.matmul, np.exp, np.add, np.subtract, np.divide
+        multiply, exp, add, subtract, divide = np.multiply, np.exp, np.add, np.subtract, np.divide
         keys_transposed, S = kv_cache.keys_transposed, pos + 1
         rotation = self.rotation
         rotation[...] = self.rotations[pos]                                 # (H + KVH, Dh/2) complex
@@ -275,17 +276,7 @@ class DecodeStep:
             if shared is not None:                                          # half of the heads each
                 run(shared[0], shared[1], S)
             else:
-                if keys_transposed:                                         # (B, KVH, Dh, max_seq_len)
-                    scores = matmul(q, k_cache[..., :S])                    # (B, KVH, R, S)
-                else:                                                       # (B, KVH, max_seq_len, Dh)
-                    scores = matmul(q, k_cache[:, :, :S].swapaxes(-1, -2))
-                if key_bias is not None:
-                    scores += key_bias
-                if shift:
-                    scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
-                exp(scores, scores)
-                matmul(scores, v_cache[:, :, :S], e_v)                     # [sum e v | sum e] (B, KVH, R, Dh + 1)
-                divide(ev_sum, e_sum, att_rows)                             # -> att; 2-D: 1.8 us, against 2.9 in 4-D
+                attend(q, k_cache, v_cache, S, keys_transposed, e_v, ev_sum, e_sum, att_rows, key_bias, shift)
             o()                                                             # att -> res
             add(x, res, x)
             norm(x)
@@ -317,15 +308,13 @@ class DecodeStep:
 
 
 class AttentionHeads:
-    """The one-row step's attention over some of a layer's heads, a call without arguments: its loop's
-    own four NumPy calls (scores, exp, [sum e v | sum e], the divide) on views of those heads, the
-    positions S read from positions() when called. A step with a helper process runs one half of the
+    """The one-row step's attention over some of a layer's heads, a call without arguments: attend on
+    views of those heads, the positions S read from positions() when called. A step with a helper process runs one half of the
     heads so in the helper and the other here (DecodeStep._share_attention). Split by kv heads, each
     kv head's calls are those of the whole (one BLAS call a kv head): the same bits; by the query
     heads of one kv head (MQA), equal to rounding (a gemv for one query head, a GEMM for several).
-    The step's loop writes the same four calls inline for the whole, as it writes every op, because a
-    small model's step costs per call and per name read (stories260K, third session); tests check the
-    two equal (test_engine_equals_reference.py).
+    Both halves and the step's loop for all heads run the one function attend (a call a layer: about
+    a microsecond of stories260K's ~180 us step, within the noise of alternating runs here).
 
     q (1, g, r, Dh); k (1, g, Dh, max_seq_len) transposed or (1, g, max_seq_len, Dh); v (1, g,
     max_seq_len, Dh + 1); e_v (1, g, r, Dh + 1) and its 2-D views ev_sum (g r, Dh), e_sum (g r, 1);
@@ -337,14 +326,26 @@ class AttentionHeads:
         self.keys_transposed, self.positions = keys_transposed, positions
 
     def __call__(self):
-        S = self.positions()
-        if self.keys_transposed:
-            scores = np.matmul(self.q, self.k[..., :S])
-        else:
-            scores = np.matmul(self.q, self.k[:, :, :S].swapaxes(-1, -2))
-        np.exp(scores, scores)
-        np.matmul(scores, self.v[:, :, :S], self.e_v)
-        np.divide(self.ev_sum, self.e_sum, self.att_rows)
+        attend(self.q, self.k, self.v, self.positions(), self.keys_transposed, self.e_v, self.ev_sum, self.e_sum,
+               self.att_rows)
+
+
+def attend(q, k, v, S, keys_transposed, e_v, ev_sum, e_sum, att_rows, key_bias=None, shift=False):
+    """One layer's attention of a step's query over positions 0 .. S-1, for the heads of q's views:
+    the scores, their exp (unshifted unless shift: SOFTMAX_SUM_RANGE), e_v = [sum e v | sum e] and
+    att_rows = sum e v / sum e. Shapes as AttentionHeads' (B rows for the whole step); key_bias, when
+    given, is added to the scores (-inf on a padded row's keys)."""
+    if keys_transposed:                                                 # (B, KVH, Dh, max_seq_len)
+        scores = np.matmul(q, k[..., :S])                               # (B, KVH, R, S)
+    else:                                                               # (B, KVH, max_seq_len, Dh)
+        scores = np.matmul(q, k[:, :, :S].swapaxes(-1, -2))
+    if key_bias is not None:
+        scores += key_bias
+    if shift:
+        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+    np.exp(scores, scores)
+    np.matmul(scores, v[:, :, :S], e_v)                                 # [sum e v | sum e] (B, KVH, R, Dh + 1)
+    np.divide(ev_sum, e_sum, att_rows)                                  # -> att; 2-D: 1.8 us, against 2.9 in 4-D
 
 
 def _head_rows(g: slice, r: slice, KVH: int, R: int) -> slice:
