@@ -78,3 +78,37 @@ def test_the_training_gemm_floor_runs_exactly_the_linear_layers_matmuls_of_a_ste
         assert flops == 3 * linear_flops(cfg, B * T)
         assert [w.shape for _, w, _ in step.operands[0]] == (
             [((H + 2 * KVH) * Dh, D), (D, H * Dh), (2 * F, D), (D, F)] * cfg.n_layers + [(V, D)])
+
+
+def test_the_matmul_exp_floor_adds_the_attention_s_block_matmuls_and_one_exp_per_score_gate_and_logit():
+    """benchkit.matmul_exp_floor: the linear floor's matmuls, then per layer the attention's six
+    products over each query block's (block, e) tiles, and one exp per causal score, gate and logit;
+    its counts are attention_block_flops and training_exps, which count independently here."""
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+    from tools.benchkit import attention_block_flops, linear_gemm_floor, matmul_exp_floor, training_exps
+    import npllama
+    cfg = npllama.LlamaConfig(dim=48, n_layers=3, n_heads=6, n_kv_heads=2, vocab_size=70, max_seq_len=40)
+    Dh, H, KVH, F, V, L = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, cfg.vocab_size, cfg.n_layers
+    B, T, block = 4, 37, 16                                   # blocks [0, 16), [16, 32), [32, 37)
+    scores = sum(t + 1 for t in range(T))                     # the causal ones, per head
+    tiles = 16 * 16 + 16 * 32 + 5 * 37                        # every block's rows x the keys up to its end
+    assert training_exps(cfg, B, T) == B * (L * (H * scores + T * F) + T * V)
+    assert attention_block_flops(cfg, B, T, block) == 6 * 2 * Dh * B * H * L * tiles
+    for workers in (1, 2):
+        step = matmul_exp_floor(cfg, B, T, workers, block=block)
+        step()
+        assert step.attention_flops == attention_block_flops(cfg, B, T, block)
+        assert step.exps == training_exps(cfg, B, T)
+        assert len(step.operands) == workers
+        rows = B // workers
+        for ops in step.operands:
+            assert ops["q"].shape == (rows, KVH, T * H // KVH, Dh)
+            assert ops["k"].shape == ops["v"].shape == (rows, KVH, T, Dh)
+            assert {name: ops[name][0].size for name in ("scores", "gates", "logits")} == {
+                "scores": rows * H * scores, "gates": rows * T * F, "logits": rows * T * V}
+            for name in ("scores", "gates", "logits"):         # the exps were run, into their own arrays
+                np.testing.assert_array_equal(ops[name][1], np.exp(ops[name][0]))
+        linear = linear_gemm_floor(cfg, B, T, workers)        # the same linear matmuls underneath
+        assert [[x.shape for x in op] for op in step.linear.operands[0]] == [[x.shape for x in op]
+                                                                           for op in linear.operands[0]]

@@ -42,10 +42,13 @@ the imports and a warm-up on a tiny model (which pages the libraries' code in). 
 peak while the optimizer is built and two steps run, minus the resident memory after the model
 was built (Linux: VmHWM, reset through /proc/self/clear_refs).
 
-The floor (FLOOR, in the same rounds, its own worker process): the step's linear-layer matmuls
-alone, run as the engine runs them (benchkit.linear_gemm_floor); PyTorch's step over it is the most
-a step whose matmuls run so could reach against PyTorch in that run, and each npllama side's time
-above it is its attention, norms, SwiGLU, loss, clipping and optimizer (--no-floor leaves it out).
+The floors (FLOOR and EXP_FLOOR, in the same rounds, each in its own worker process): the step's
+linear-layer matmuls alone, run as the engine runs them (benchkit.linear_gemm_floor); and those
+plus the attention's matmuls and the exps no exact step can skip, one per causal score, gate and
+logit (benchkit.matmul_exp_floor). PyTorch's step over a floor is the most a NumPy step whose
+matmuls (and exps) run so could reach against PyTorch in that run; each npllama side's time above
+the first is its attention, norms, SwiGLU, loss, clipping and optimizer, above the second its
+element-wise passes, gradient sums, clipping and optimizer (--no-floor leaves both out).
 
 Example output, one configuration (2-core AMD EPYC, OpenBLAS 0.3.31, torch 2.13 CPU, 5 rounds,
 `--configs c --no-memory --rounds 5`, 6 December 2026):
@@ -80,10 +83,10 @@ import npllama  # noqa: E402
 from npllama.engine import freed_memory_kept  # noqa: E402
 from npllama.engine.shards import resolve_workers  # noqa: E402
 from npllama.train.loop import train_step  # noqa: E402
-from tools.benchkit import (MB, PEER_THREADS, calls_per_turn, can_reset_peak_rss, gemm_peaks,  # noqa: E402
-                            linear_flops, linear_gemm_floor, load_averages, memory_status, reset_peak_rss, roofline,
-                            start_worker, take_turns, threads_label, torch_version, training_flops,
-                            worker_result)
+from tools.benchkit import (MB, PEER_THREADS, attention_block_flops, calls_per_turn, can_reset_peak_rss,  # noqa: E402
+                            gemm_peaks, linear_flops, linear_gemm_floor, load_averages, matmul_exp_floor,
+                            memory_status, reset_peak_rss, roofline, start_worker, take_turns, threads_label,
+                            torch_version, training_exps, training_flops, worker_result)
 
 # name -> (LlamaConfig fields, batch B, sequence T)
 CONFIGS = {
@@ -104,6 +107,7 @@ CLIP = 1.0
 NPLLAMA_SIDES = ("npllama", "npllama train")
 KEPT_LOOP = "npllama kept"
 FLOOR = "GEMM floor"
+EXP_FLOOR = "matmul+exp floor"
 
 
 def batch(cfg, B, T, seed=0):
@@ -178,14 +182,15 @@ class StepWorker:
 def step_worker(side, name, quick):
     """Runs in its own process: one step of the side per line read (`npllama train`'s inside
     freed_memory_kept, as a run holds it; the library loop's as a user's script runs it, or inside
-    freed_memory_kept for the KEPT_LOOP side; for FLOOR, benchkit.linear_gemm_floor's matmuls on
-    as many threads as the engine's passes take)."""
+    freed_memory_kept for the KEPT_LOOP side; for FLOOR and EXP_FLOOR, benchkit.linear_gemm_floor's
+    or matmul_exp_floor's work on as many threads as the engine's passes take)."""
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     train = side == "npllama train"
     with freed_memory_kept() if train or side == KEPT_LOOP else nullcontext():
-        if side == FLOOR:
-            step = linear_gemm_floor(cfg, B, T, resolve_workers(None, B, T, cfg.dim))
+        if side in (FLOOR, EXP_FLOOR):
+            step = (linear_gemm_floor if side == FLOOR else matmul_exp_floor)(
+                cfg, B, T, resolve_workers(None, B, T, cfg.dim))
         else:
             step = (train_command_step if train else library_step)(npllama.Llama(cfg, seed=0), *batch(cfg, B, T))
         print("ready", flush=True)
@@ -196,13 +201,13 @@ def step_worker(side, name, quick):
 
 def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2, kept_loop=False, floor=True):
     """{setting: median seconds per step} over interleaved rounds (module docstring); kept_loop
-    adds the KEPT_LOOP side, floor the FLOOR (benchkit.linear_gemm_floor), in the same rounds."""
+    adds the KEPT_LOOP side, floor the FLOOR and EXP_FLOOR (module docstring), in the same rounds."""
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     tokens, targets = batch(cfg, B, T)
     workers, per_turn = [], {}
     try:
-        for side in (*NPLLAMA_SIDES, *([KEPT_LOOP] if kept_loop else []), *([FLOOR] if floor else [])):
+        for side in (*NPLLAMA_SIDES, *([KEPT_LOOP] if kept_loop else []), *([FLOOR, EXP_FLOOR] if floor else [])):
             workers.append(StepWorker(side, name, quick))
         steps = {worker.side: worker for worker in workers}
         if use_torch:
@@ -275,7 +280,7 @@ def describe(cfg, B, T):
 def report(name, cfg, B, T, times, peaks, loads, use_torch):
     """The speed, roofline and ratio lines of one configuration."""
     tokens, flops = B * T, training_flops(cfg, B, T)
-    floor = times.pop(FLOOR, None)
+    floor, exp_floor = times.pop(FLOOR, None), times.pop(EXP_FLOOR, None)
     print(f"\n{name}: {describe(cfg, B, T)}   load average {loads[0]} -> {loads[1]}")
     for setting, seconds in times.items():
         print(f"  {setting:16s} {seconds * 1e3:9.1f} ms a step  {tokens / seconds:10,.0f} tokens/s   "
@@ -290,6 +295,12 @@ def report(name, cfg, B, T, times, peaks, loads, use_torch):
               f" ({3 * linear_flops(cfg, tokens) / floor / 1e9:,.0f} GFLOP/s)"
               + (f": at most {times[t_name] / floor:.2f}x torch over it" if use_torch else "")
               + "; above it: " + ", ".join(f"{side} {(times[side] - floor) * 1e3:,.1f} ms"
+                                           for side in times if side.startswith("npllama")), flush=True)
+    if exp_floor is not None:
+        print(f"  floor   + the attention's matmuls ({attention_block_flops(cfg, B, T) / 1e9:,.1f} GFLOP) and the exps "
+              f"({training_exps(cfg, B, T) / 1e6:,.1f}M; benchkit.matmul_exp_floor) {exp_floor * 1e3:,.1f} ms a step"
+              + (f": at most {times[t_name] / exp_floor:.2f}x torch over it" if use_torch else "")
+              + "; above it: " + ", ".join(f"{side} {(times[side] - exp_floor) * 1e3:,.1f} ms"
                                            for side in times if side.startswith("npllama")), flush=True)
 
 

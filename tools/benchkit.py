@@ -211,6 +211,91 @@ def linear_gemm_floor(cfg, batch_size: int, seq_len: int, workers: int, seed: in
     return step
 
 
+def attention_block_flops(cfg, batch_size: int, seq_len: int, block: int = 64) -> int:
+    """The FLOPs of a training step's attention matmuls run in query blocks of `block` positions, as
+    engine/attention.py runs them with its probabilities kept: six products a block, each of
+    2 Dh FLOPs per score of the block's (block, e) tile of every head (e: the keys up to its end)."""
+    tiles = sum((min(seq_len, s + block) - s) * min(seq_len, s + block) for s in range(0, seq_len, block))
+    return 6 * 2 * cfg.head_dim * batch_size * cfg.n_heads * cfg.n_layers * tiles
+
+
+def training_exps(cfg, batch_size: int, seq_len: int) -> int:
+    """The exps of a training step no exact implementation can skip: one per causal score (T (T + 1) / 2
+    a head and layer), per gate of SwiGLU's sigmoid (T F a layer) and per logit (T V), each batch row."""
+    T = seq_len
+    return batch_size * (cfg.n_layers * (cfg.n_heads * T * (T + 1) // 2 + T * cfg.hidden_dim) + T * cfg.vocab_size)
+
+
+def matmul_exp_floor(cfg, batch_size: int, seq_len: int, workers: int, block: int = 64, seed: int = 0):
+    """linear_gemm_floor's closure, plus the attention's matmuls and the exps: the work of a training
+    step that no exact NumPy step can skip, on NumPy's own kernels, each worker on its batch rows.
+
+    The attention, per layer and per query block [s, e) of `block` positions (engine/attention.py's
+    blocks and layout: a kv head's R query heads stacked along the rows), with the probabilities kept
+    (no recomputation in backward): forward S = q k^T and P v over the keys [0, e); backward
+    dP = dO v^T, dq = dS k, dk += dS^T q, dv += P^T dO. Then np.exp once per causal score
+    (H T (T + 1) / 2 a row and layer), per gate of SwiGLU's sigmoid (T F a row and layer) and per
+    logit of the loss's softmax (T V a row), over contiguous arrays. NumPy's float32 exp costs a few
+    ns an element on CPUs where it has no SIMD loop (2.2-2.7 ns on the AMD EPYC with NumPy 2.4,
+    against 0.18 for a multiply): there the exps are a floor of their own.
+
+    Left out, and so on top: the score mask and the product dS = P * dP, the norms, RoPE, the rest
+    of SwiGLU and of the loss, the residual adds, the shards' gradient sums, clipping and the
+    optimizer. The closure carries .attention_flops and .exps, its counts over all workers
+    (attention_block_flops and training_exps of workers x its rows)."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+    from npllama.engine.settings import blas_threads
+    linear = linear_gemm_floor(cfg, batch_size, seq_len, workers, seed)
+    rng = np.random.default_rng(seed + 1)
+    rows = -(-batch_size // workers)
+    T, H, KVH, Dh, F, V = seq_len, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, cfg.vocab_size
+    R = H // KVH
+    spans = [(s, min(T, s + block)) for s in range(0, T, block)]
+
+    def normal(*shape, scale=1.0):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    def exp_operands(count, scale):     # the exp's input, and the array it writes
+        return normal(count, scale=scale), np.empty(count, dtype=np.float32)
+
+    per_worker = [dict(q=normal(rows, KVH, T * R, Dh, scale=Dh ** -0.5), k=normal(rows, KVH, T, Dh),
+                       v=normal(rows, KVH, T, Dh), dout=normal(rows, KVH, T * R, Dh),
+                       scores=exp_operands(rows * H * T * (T + 1) // 2, 1.0),
+                       gates=exp_operands(rows * T * F, 1.0), logits=exp_operands(rows * T * V, 2.0))
+                  for _ in range(workers)]
+    pool = ThreadPoolExecutor(workers)
+
+    def attention(q, k, v, dout, dk, dv):
+        for s, e in spans:
+            at = slice(s * R, e * R)
+            P = q[:, :, at] @ k[:, :, :e].swapaxes(-1, -2)
+            P @ v[:, :, :e]
+            dS = dout[:, :, at] @ v[:, :, :e].swapaxes(-1, -2)
+            dS @ k[:, :, :e]
+            dk[:, :, :e] += dS.swapaxes(-1, -2) @ q[:, :, at]
+            dv[:, :, :e] += P.swapaxes(-1, -2) @ dout[:, :, at]
+
+    def worker(ops):
+        dk, dv = np.zeros_like(ops["k"]), np.zeros_like(ops["v"])
+        for _ in range(cfg.n_layers):
+            attention(ops["q"], ops["k"], ops["v"], ops["dout"], dk, dv)
+            np.exp(*ops["scores"])
+            np.exp(*ops["gates"])
+        np.exp(*ops["logits"])
+
+    def step():
+        linear()
+        with blas_threads(1):
+            for done in [pool.submit(worker, ops) for ops in per_worker]:
+                done.result()
+    step.operands, step.linear = per_worker, linear
+    step.attention_flops = workers * cfg.n_layers * sum(6 * 2 * rows * KVH * (e - s) * R * e * Dh for s, e in spans)
+    step.exps = workers * (cfg.n_layers * (per_worker[0]["scores"][0].size + per_worker[0]["gates"][0].size)
+                           + per_worker[0]["logits"][0].size)
+    return step
+
+
 def roofline(flops_per_second: float, peaks: dict[int, float]) -> str:
     """"157 GFLOP/s = 56% of the 2-thread GEMM peak, 112% of the 1-thread one"."""
     return (f"{flops_per_second / 1e9:,.0f} GFLOP/s = {100 * flops_per_second / peaks[2]:.0f}% of the 2-thread "
