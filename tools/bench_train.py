@@ -62,6 +62,11 @@ Example output, one configuration (2-core AMD EPYC, OpenBLAS 0.3.31, torch 2.13 
       floor   the linear layers' matmuls alone (benchkit.linear_gemm_floor) 597.8 ms a step (147 GFLOP/s): at most
               1.72x torch over it; above it: npllama 310.1 ms, npllama train 399.5 ms
 
+and since 7 December the second floor's line (the same cfg, all five cfgs' run, 5 rounds, that day):
+
+      floor   + the attention's matmuls (6.8 GFLOP) and the exps (27.3M; benchkit.matmul_exp_floor) 615.2 ms a
+              step: at most 1.40x torch over it; above it: npllama 172.6 ms, npllama train 147.5 ms
+
 Exit code 0 once it has measured (ratios are reported, not asserted); 2 without torch.
 """
 
