@@ -236,7 +236,7 @@ def matmul_exp_floor(cfg, batch_size: int, seq_len: int, workers: int, block: in
     dP = dO v^T, dq = dS k, dk += dS^T q, dv += P^T dO. Then np.exp once per causal score
     (H T (T + 1) / 2 a row and layer), per gate of SwiGLU's sigmoid (T F a row and layer) and per
     logit of the loss's softmax (T V a row), over contiguous arrays. NumPy's float32 exp costs a few
-    ns an element on CPUs where it has no SIMD loop (2.2-2.7 ns on the AMD EPYC with NumPy 2.4,
+    ns an element on CPUs where it has no SIMD loop (2.0-2.7 ns on the AMD EPYC with NumPy 2.4,
     against 0.18 for a multiply): there the exps are a floor of their own.
 
     Left out, and so on top: the score mask and the product dS = P * dP, the norms, RoPE, the rest
