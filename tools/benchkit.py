@@ -211,10 +211,13 @@ def linear_gemm_floor(cfg, batch_size: int, seq_len: int, workers: int, seed: in
     return step
 
 
-def attention_block_flops(cfg, batch_size: int, seq_len: int, block: int = 64) -> int:
-    """The FLOPs of a training step's attention matmuls run in query blocks of `block` positions, as
-    engine/attention.py runs them with its probabilities kept: six products a block, each of
-    2 Dh FLOPs per score of the block's (block, e) tile of every head (e: the keys up to its end)."""
+def attention_block_flops(cfg, batch_size: int, seq_len: int, block: int | None = None) -> int:
+    """The FLOPs of a training step's attention matmuls run in query blocks of `block` positions (default
+    the engine's, engine/attention.py's BLOCK), as the engine runs them with its probabilities kept: six
+    products a block, each of 2 Dh FLOPs per score of the block's (block, e) tile of every head (e: the
+    keys up to its end)."""
+    from npllama.engine.attention import BLOCK
+    block = block or BLOCK
     tiles = sum((min(seq_len, s + block) - s) * min(seq_len, s + block) for s in range(0, seq_len, block))
     return 6 * 2 * cfg.head_dim * batch_size * cfg.n_heads * cfg.n_layers * tiles
 
@@ -226,12 +229,12 @@ def training_exps(cfg, batch_size: int, seq_len: int) -> int:
     return batch_size * (cfg.n_layers * (cfg.n_heads * T * (T + 1) // 2 + T * cfg.hidden_dim) + T * cfg.vocab_size)
 
 
-def matmul_exp_floor(cfg, batch_size: int, seq_len: int, workers: int, block: int = 64, seed: int = 0):
+def matmul_exp_floor(cfg, batch_size: int, seq_len: int, workers: int, block: int | None = None, seed: int = 0):
     """linear_gemm_floor's closure, plus the attention's matmuls and the exps: the work of a training
     step that no exact NumPy step can skip, on NumPy's own kernels, each worker on its batch rows.
 
     The attention, per layer and per query block [s, e) of `block` positions (engine/attention.py's
-    blocks and layout: a kv head's R query heads stacked along the rows), with the probabilities kept
+    BLOCK by default, its blocks and layout: a kv head's R query heads stacked along the rows), with the probabilities kept
     (no recomputation in backward): forward S = q k^T and P v over the keys [0, e); backward
     dP = dO v^T, dq = dS k, dk += dS^T q, dv += P^T dO. Then np.exp once per causal score
     (H T (T + 1) / 2 a row and layer), per gate of SwiGLU's sigmoid (T F a row and layer) and per
@@ -245,7 +248,9 @@ def matmul_exp_floor(cfg, batch_size: int, seq_len: int, workers: int, block: in
     (attention_block_flops and training_exps of workers x its rows)."""
     import numpy as np
     from concurrent.futures import ThreadPoolExecutor
+    from npllama.engine.attention import BLOCK
     from npllama.engine.settings import blas_threads
+    block = block or BLOCK
     linear = linear_gemm_floor(cfg, batch_size, seq_len, workers, seed)
     rng = np.random.default_rng(seed + 1)
     rows = -(-batch_size // workers)
