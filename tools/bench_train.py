@@ -295,19 +295,17 @@ def report(name, cfg, B, T, times, peaks, loads, use_torch):
         print("  speed   " + ", ".join(f"{side} / torch {times[t_name] / times[side]:.2f}"
                                       for side in times if side.startswith("npllama"))
               + f" (torch's best: {t_name})", flush=True)
+    def floor_line(what, seconds, rate=""):
+        return (f"  floor   {what} {seconds * 1e3:,.1f} ms a step{rate}"
+                + (f": at most {times[t_name] / seconds:.2f}x torch over it" if use_torch else "")
+                + "; above it: " + ", ".join(f"{side} {(times[side] - seconds) * 1e3:,.1f} ms"
+                                             for side in times if side.startswith("npllama")))
     if floor is not None:
-        print(f"  floor   the linear layers' matmuls alone (benchkit.linear_gemm_floor) {floor * 1e3:,.1f} ms a step"
-              f" ({3 * linear_flops(cfg, tokens) / floor / 1e9:,.0f} GFLOP/s)"
-              + (f": at most {times[t_name] / floor:.2f}x torch over it" if use_torch else "")
-              + "; above it: " + ", ".join(f"{side} {(times[side] - floor) * 1e3:,.1f} ms"
-                                           for side in times if side.startswith("npllama")), flush=True)
+        print(floor_line("the linear layers' matmuls alone (benchkit.linear_gemm_floor)", floor,
+                         f" ({3 * linear_flops(cfg, tokens) / floor / 1e9:,.0f} GFLOP/s)"), flush=True)
     if exp_floor is not None:
-        print(f"  floor   + the attention's matmuls ({attention_block_flops(cfg, B, T) / 1e9:,.1f} GFLOP) and the exps "
-              f"({training_exps(cfg, B, T) / 1e6:,.1f}M; benchkit.matmul_exp_floor) {exp_floor * 1e3:,.1f} ms a step"
-              + (f": at most {times[t_name] / exp_floor:.2f}x torch over it" if use_torch else "")
-              + "; above it: " + ", ".join(f"{side} {(times[side] - exp_floor) * 1e3:,.1f} ms"
-                                           for side in times if side.startswith("npllama")), flush=True)
-
+        print(floor_line(f"+ the attention's matmuls ({attention_block_flops(cfg, B, T) / 1e9:,.1f} GFLOP) and the exps "
+                         f"({training_exps(cfg, B, T) / 1e6:,.1f}M; benchkit.matmul_exp_floor)", exp_floor), flush=True)
 
 def report_memory(cfg, mem, use_torch):
     """The training-peak and model-creation lines of one configuration."""

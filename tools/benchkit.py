@@ -295,9 +295,8 @@ def matmul_exp_floor(cfg, batch_size: int, seq_len: int, workers: int, block: in
             for done in [pool.submit(worker, ops) for ops in per_worker]:
                 done.result()
     step.operands, step.linear = per_worker, linear
-    step.attention_flops = workers * cfg.n_layers * sum(6 * 2 * rows * KVH * (e - s) * R * e * Dh for s, e in spans)
-    step.exps = workers * (cfg.n_layers * (per_worker[0]["scores"][0].size + per_worker[0]["gates"][0].size)
-                           + per_worker[0]["logits"][0].size)
+    step.attention_flops = attention_block_flops(cfg, workers * rows, seq_len, block)
+    step.exps = training_exps(cfg, workers * rows, seq_len)
     return step
 
 
