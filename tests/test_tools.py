@@ -112,3 +112,34 @@ def test_the_matmul_exp_floor_adds_the_attention_s_block_matmuls_and_one_exp_per
         linear = linear_gemm_floor(cfg, B, T, workers)        # the same linear matmuls underneath
         assert [[x.shape for x in op] for op in step.linear.operands[0]] == [[x.shape for x in op]
                                                                            for op in linear.operands[0]]
+
+
+def test_the_adamw_traffic_floor_updates_every_chunk_once_reading_p_g_m_v_and_writing_p_m_v():
+    """benchkit.adamw_traffic_floor: m += g, v += g, p += m on every chunk (engine/adamw.py's CHUNK) of
+    the flat arrays, each chunk by exactly one thread: a chunk run twice or skipped shows in the
+    sums. Its traffic counts 7 x 4 bytes a parameter. training_floor runs matmul_exp_floor's work,
+    then this over the model's parameters."""
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+    from npllama.engine.adamw import CHUNK
+    from tools.benchkit import adamw_traffic_floor, training_floor
+    import npllama
+    n = 2 * CHUNK + 1001                                      # three chunks, the last a short one
+    for threads in (1, 2, 3, 4):
+        step = adamw_traffic_floor(n, threads)
+        p, g, m, v = step.arrays
+        p0, g0, m0, v0 = (a.copy() for a in step.arrays)
+        step()
+        m1 = m0 + g0
+        np.testing.assert_array_equal(m, m1)
+        np.testing.assert_array_equal(v, v0 + g0)
+        np.testing.assert_array_equal(p, p0 + m1)
+        np.testing.assert_array_equal(g, g0)
+        assert step.bytes == 7 * 4 * n
+    cfg = npllama.LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=16)
+    step = training_floor(cfg, 2, 16, 2)
+    m_before = step.adamw.arrays[2].copy()
+    step()
+    assert step.adamw.arrays[0].size == cfg.n_params()
+    np.testing.assert_array_equal(step.adamw.arrays[2], m_before + step.adamw.arrays[1])
+    np.testing.assert_array_equal(step.matmul_exp.operands[0]["gates"][1], np.exp(step.matmul_exp.operands[0]["gates"][0]))

@@ -42,13 +42,16 @@ the imports and a warm-up on a tiny model (which pages the libraries' code in). 
 peak while the optimizer is built and two steps run, minus the resident memory after the model
 was built (Linux: VmHWM, reset through /proc/self/clear_refs).
 
-The floors (FLOOR and EXP_FLOOR, in the same rounds, each in its own worker process): the step's
-linear-layer matmuls alone, run as the engine runs them (benchkit.linear_gemm_floor); and those
-plus the attention's matmuls and the exps no exact step can skip, one per causal score, gate and
-logit (benchkit.matmul_exp_floor). PyTorch's step over a floor is the most a NumPy step whose
-matmuls (and exps) run so could reach against PyTorch in that run; each npllama side's time above
-the first is its attention, norms, SwiGLU, loss, clipping and optimizer, above the second its
-element-wise passes, gradient sums, clipping and optimizer (--no-floor leaves both out).
+The floors (FLOORS, in the same rounds, each in its own worker process): the step's linear-layer
+matmuls alone, run as the engine runs them (benchkit.linear_gemm_floor); those plus the
+attention's matmuls and the exps no exact step can skip, one per causal score, gate and logit
+(benchkit.matmul_exp_floor); and those plus the memory an AdamW step must move, every parameter,
+gradient and moment read and the parameters and moments written (benchkit.training_floor).
+PyTorch's step over a floor is the most a NumPy step whose matmuls (exps, optimizer traffic) run
+so could reach against PyTorch in that run; each npllama side's time above the first is its
+attention, norms, SwiGLU, loss, clipping and optimizer, above the second its element-wise passes,
+gradient sums, clipping and optimizer, above the third all of that but the optimizer's traffic
+(--no-floor leaves the three out).
 
 Example output, one configuration (2-core AMD EPYC, OpenBLAS 0.3.31, torch 2.13 CPU, 5 rounds,
 `--configs c --no-memory --rounds 5`, 6 December 2026):
@@ -91,7 +94,7 @@ from npllama.train.loop import train_step  # noqa: E402
 from tools.benchkit import (MB, PEER_THREADS, attention_block_flops, calls_per_turn, can_reset_peak_rss,  # noqa: E402
                             gemm_peaks, linear_flops, linear_gemm_floor, load_averages, matmul_exp_floor,
                             memory_status, reset_peak_rss, roofline, start_worker, take_turns, threads_label,
-                            torch_version, training_exps, training_flops, worker_result)
+                            torch_version, training_exps, training_floor, training_flops, worker_result)
 
 # name -> (LlamaConfig fields, batch B, sequence T)
 CONFIGS = {
@@ -113,6 +116,8 @@ NPLLAMA_SIDES = ("npllama", "npllama train")
 KEPT_LOOP = "npllama kept"
 FLOOR = "GEMM floor"
 EXP_FLOOR = "matmul+exp floor"
+ADAMW_FLOOR = "matmul+exp+AdamW floor"
+FLOORS = {FLOOR: linear_gemm_floor, EXP_FLOOR: matmul_exp_floor, ADAMW_FLOOR: training_floor}
 
 
 def batch(cfg, B, T, seed=0):
@@ -187,15 +192,14 @@ class StepWorker:
 def step_worker(side, name, quick):
     """Runs in its own process: one step of the side per line read (`npllama train`'s inside
     freed_memory_kept, as a run holds it; the library loop's as a user's script runs it, or inside
-    freed_memory_kept for the KEPT_LOOP side; for FLOOR and EXP_FLOOR, benchkit.linear_gemm_floor's
-    or matmul_exp_floor's work on as many threads as the engine's passes take)."""
+    freed_memory_kept for the KEPT_LOOP side; for a floor (FLOORS), its benchkit closure's work on
+    as many threads as the engine's passes take)."""
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     train = side == "npllama train"
     with freed_memory_kept() if train or side == KEPT_LOOP else nullcontext():
-        if side in (FLOOR, EXP_FLOOR):
-            step = (linear_gemm_floor if side == FLOOR else matmul_exp_floor)(
-                cfg, B, T, resolve_workers(None, B, T, cfg.dim))
+        if side in FLOORS:
+            step = FLOORS[side](cfg, B, T, resolve_workers(None, B, T, cfg.dim))
         else:
             step = (train_command_step if train else library_step)(npllama.Llama(cfg, seed=0), *batch(cfg, B, T))
         print("ready", flush=True)
@@ -206,13 +210,13 @@ def step_worker(side, name, quick):
 
 def measure_speed(name, quick, rounds, turn_seconds, use_torch, warmup=2, kept_loop=False, floor=True):
     """{setting: median seconds per step} over interleaved rounds (module docstring); kept_loop
-    adds the KEPT_LOOP side, floor the FLOOR and EXP_FLOOR (module docstring), in the same rounds."""
+    adds the KEPT_LOOP side, floor the three FLOORS (module docstring), in the same rounds."""
     kw, B, T = (QUICK_CONFIGS if quick else CONFIGS)[name]
     cfg = npllama.LlamaConfig(**kw)
     tokens, targets = batch(cfg, B, T)
     workers, per_turn = [], {}
     try:
-        for side in (*NPLLAMA_SIDES, *([KEPT_LOOP] if kept_loop else []), *([FLOOR, EXP_FLOOR] if floor else [])):
+        for side in (*NPLLAMA_SIDES, *([KEPT_LOOP] if kept_loop else []), *(FLOORS if floor else [])):
             workers.append(StepWorker(side, name, quick))
         steps = {worker.side: worker for worker in workers}
         if use_torch:
@@ -285,7 +289,7 @@ def describe(cfg, B, T):
 def report(name, cfg, B, T, times, peaks, loads, use_torch):
     """The speed, roofline and ratio lines of one configuration."""
     tokens, flops = B * T, training_flops(cfg, B, T)
-    floor, exp_floor = times.pop(FLOOR, None), times.pop(EXP_FLOOR, None)
+    floor, exp_floor, adamw_floor = (times.pop(side, None) for side in FLOORS)
     print(f"\n{name}: {describe(cfg, B, T)}   load average {loads[0]} -> {loads[1]}")
     for setting, seconds in times.items():
         print(f"  {setting:16s} {seconds * 1e3:9.1f} ms a step  {tokens / seconds:10,.0f} tokens/s   "
@@ -306,6 +310,9 @@ def report(name, cfg, B, T, times, peaks, loads, use_torch):
     if exp_floor is not None:
         print(floor_line(f"+ the attention's matmuls ({attention_block_flops(cfg, B, T) / 1e9:,.1f} GFLOP) and the exps "
                          f"({training_exps(cfg, B, T) / 1e6:,.1f}M; benchkit.matmul_exp_floor)", exp_floor), flush=True)
+    if adamw_floor is not None:
+        print(floor_line(f"+ AdamW's memory traffic ({7 * 4 * cfg.n_params() / 1e9:,.2f} GB: p, g, m, v read, "
+                         f"p, m, v written; benchkit.training_floor)", adamw_floor), flush=True)
 
 def report_memory(cfg, mem, use_torch):
     """The training-peak and model-creation lines of one configuration."""
@@ -334,7 +341,7 @@ def main(argv=None) -> int:
     ap.add_argument("--turn", type=float, default=None, help="seconds per side per round (default 1.0, quick 0.2)")
     ap.add_argument("--no-memory", action="store_true", help="speed only")
     ap.add_argument("--no-torch", action="store_true", help="npllama only")
-    ap.add_argument("--no-floor", action="store_true", help="leave out the GEMM floor (module docstring)")
+    ap.add_argument("--no-floor", action="store_true", help="leave out the three floors (module docstring)")
     ap.add_argument("--kept-loop", action="store_true",
                     help="also time the library loop inside engine.freed_memory_kept() (speed only)")
     ap.add_argument("--memory-probe", nargs=2, metavar=("SIDE", "CFG"), help=argparse.SUPPRESS)

@@ -300,6 +300,60 @@ def matmul_exp_floor(cfg, batch_size: int, seq_len: int, workers: int, block: in
     return step
 
 
+def adamw_traffic_floor(n_params: int, threads: int | None = None, seed: int = 0):
+    """A closure that moves the memory one AdamW step must move over n_params float32 parameters and
+    computes nothing more: the least an exact optimizer step can cost once its arrays outgrow the cache.
+
+    AdamW's new m, v and p each depend on their old values and on the gradient g, so a step reads
+    p, g, m and v and writes p, m and v: 7 x 4 bytes a parameter (npllama's fused step makes 13 passes
+    over each cache-sized chunk, engine/adamw.py). The closure holds the four arrays flat (as an engine
+    model keeps its parameters: views of one array) and runs, chunk by chunk (that module's CHUNK)
+    on `threads` threads (default one per core, as the fused step runs), one contiguous run of chunks
+    each: m += g, v += g, p += m, each array's chunk read from memory once and g's from the cache the
+    second time. Left out: the clip's sum of squares over g (a step could fold it into the gradient
+    sums). The closure carries .arrays = (p, g, m, v) and .bytes, the traffic counted (7 x 4 n_params)."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+    from npllama.engine.adamw import CHUNK
+    from npllama.engine.shards import available_cores
+    threads = threads or available_cores()
+    rng = np.random.default_rng(seed)
+    p, g, m, v = (rng.standard_normal(n_params, dtype=np.float32) for _ in range(4))
+    starts = np.arange(0, n_params, CHUNK)
+    runs = [run for run in np.array_split(starts, threads) if run.size]
+    pool = ThreadPoolExecutor(len(runs))
+
+    def update(run):
+        for lo in run:
+            hi = lo + CHUNK
+            np.add(m[lo:hi], g[lo:hi], out=m[lo:hi])
+            np.add(v[lo:hi], g[lo:hi], out=v[lo:hi])
+            np.add(p[lo:hi], m[lo:hi], out=p[lo:hi])
+
+    def step():
+        for done in [pool.submit(update, run) for run in runs]:
+            done.result()
+    step.arrays, step.bytes = (p, g, m, v), 7 * 4 * n_params
+    return step
+
+
+def training_floor(cfg, batch_size: int, seq_len: int, workers: int, block: int | None = None, seed: int = 0):
+    """matmul_exp_floor's closure, then adamw_traffic_floor's over the model's cfg.n_params()
+    parameters: the matmuls, the exps and the optimizer's memory traffic of a training step, the
+    work no exact NumPy step can skip. Left out, and so on top: the element-wise passes (norms,
+    RoPE, the rest of SwiGLU and of the loss, the residual adds, the score mask and dS = P * dP),
+    the shards' gradient sums, clipping and the optimizer's arithmetic. Carries .matmul_exp and
+    .adamw, the two closures it runs."""
+    matmul_exp = matmul_exp_floor(cfg, batch_size, seq_len, workers, block, seed)
+    adamw = adamw_traffic_floor(cfg.n_params(), seed=seed + 2)
+
+    def step():
+        matmul_exp()
+        adamw()
+    step.matmul_exp, step.adamw = matmul_exp, adamw
+    return step
+
+
 def roofline(flops_per_second: float, peaks: dict[int, float]) -> str:
     """"157 GFLOP/s = 56% of the 2-thread GEMM peak, 112% of the 1-thread one"."""
     return (f"{flops_per_second / 1e9:,.0f} GFLOP/s = {100 * flops_per_second / peaks[2]:.0f}% of the 2-thread "
