@@ -70,6 +70,11 @@ and since 7 December the second floor's line (the same cfg, all five cfgs' run, 
       floor   + the attention's matmuls (6.8 GFLOP) and the exps (27.3M; benchkit.matmul_exp_floor) 615.2 ms a
               step: at most 1.40x torch over it; above it: npllama 172.6 ms, npllama train 147.5 ms
 
+and the third floor's line (the same cfg, 7 December, a later run of all five cfgs, 5 rounds):
+
+      floor   + AdamW's memory traffic (0.23 GB: p, g, m, v read, p, m, v written; benchkit.training_floor)
+              582.5 ms a step: at most 1.39x torch over it; above it: npllama 123.7 ms, npllama train 113.0 ms
+
 Exit code 0 once it has measured (ratios are reported, not asserted); 2 without torch.
 """
 
