@@ -96,10 +96,11 @@ import npllama  # noqa: E402
 from npllama.engine import freed_memory_kept  # noqa: E402
 from npllama.engine.shards import resolve_workers  # noqa: E402
 from npllama.train.loop import train_step  # noqa: E402
-from tools.benchkit import (MB, PEER_THREADS, attention_block_flops, calls_per_turn, can_reset_peak_rss,  # noqa: E402
-                            gemm_peaks, linear_flops, linear_gemm_floor, load_averages, matmul_exp_floor,
-                            memory_status, reset_peak_rss, roofline, start_worker, take_turns, threads_label,
-                            torch_version, training_exps, training_floor, training_flops, worker_result)
+from tools.benchkit import (MB, PEER_THREADS, adamw_traffic_bytes, attention_block_flops, calls_per_turn,  # noqa: E402
+                            can_reset_peak_rss, gemm_peaks, linear_flops, linear_gemm_floor, load_averages,
+                            matmul_exp_floor, memory_status, reset_peak_rss, roofline, start_worker, take_turns,
+                            threads_label, torch_version, training_exps, training_floor, training_flops,
+                            worker_result)
 
 # name -> (LlamaConfig fields, batch B, sequence T)
 CONFIGS = {
@@ -304,6 +305,7 @@ def report(name, cfg, B, T, times, peaks, loads, use_torch):
         print("  speed   " + ", ".join(f"{side} / torch {times[t_name] / times[side]:.2f}"
                                       for side in times if side.startswith("npllama"))
               + f" (torch's best: {t_name})", flush=True)
+
     def floor_line(what, seconds, rate=""):
         return (f"  floor   {what} {seconds * 1e3:,.1f} ms a step{rate}"
                 + (f": at most {times[t_name] / seconds:.2f}x torch over it" if use_torch else "")
@@ -316,8 +318,9 @@ def report(name, cfg, B, T, times, peaks, loads, use_torch):
         print(floor_line(f"+ the attention's matmuls ({attention_block_flops(cfg, B, T) / 1e9:,.1f} GFLOP) and the exps "
                          f"({training_exps(cfg, B, T) / 1e6:,.1f}M; benchkit.matmul_exp_floor)", exp_floor), flush=True)
     if adamw_floor is not None:
-        print(floor_line(f"+ AdamW's memory traffic ({7 * 4 * cfg.n_params() / 1e9:,.2f} GB: p, g, m, v read, "
+        print(floor_line(f"+ AdamW's memory traffic ({adamw_traffic_bytes(cfg.n_params()) / 1e9:,.2f} GB: p, g, m, v read, "
                          f"p, m, v written; benchkit.training_floor)", adamw_floor), flush=True)
+
 
 def report_memory(cfg, mem, use_torch):
     """The training-peak and model-creation lines of one configuration."""

@@ -300,6 +300,12 @@ def matmul_exp_floor(cfg, batch_size: int, seq_len: int, workers: int, block: in
     return step
 
 
+def adamw_traffic_bytes(n_params: int) -> int:
+    """The bytes one AdamW step over n_params float32 parameters must move: p, g, m, v read, p, m, v
+    written (adamw_traffic_floor)."""
+    return 7 * 4 * n_params
+
+
 def adamw_traffic_floor(n_params: int, threads: int | None = None, seed: int = 0):
     """A closure that moves the memory one AdamW step must move over n_params float32 parameters and
     computes nothing more: the least an exact optimizer step can cost once its arrays outgrow the cache.
@@ -311,7 +317,7 @@ def adamw_traffic_floor(n_params: int, threads: int | None = None, seed: int = 0
     on `threads` threads (default one per core, as the fused step runs), one contiguous run of chunks
     each: m += g, v += g, p += m, each array's chunk read from memory once and g's from the cache the
     second time. Left out: the clip's sum of squares over g (a step could fold it into the gradient
-    sums). The closure carries .arrays = (p, g, m, v) and .bytes, the traffic counted (7 x 4 n_params)."""
+    sums). The closure carries .arrays = (p, g, m, v) and .bytes, the traffic counted (adamw_traffic_bytes)."""
     import numpy as np
     from concurrent.futures import ThreadPoolExecutor
     from npllama.engine.adamw import CHUNK
@@ -333,7 +339,7 @@ def adamw_traffic_floor(n_params: int, threads: int | None = None, seed: int = 0
     def step():
         for done in [pool.submit(update, run) for run in runs]:
             done.result()
-    step.arrays, step.bytes = (p, g, m, v), 7 * 4 * n_params
+    step.arrays, step.bytes = (p, g, m, v), adamw_traffic_bytes(n_params)
     return step
 
 
